@@ -1,0 +1,41 @@
+# Two set-up commands: `make run` and `make test`. Both create .venv when it is missing.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU wheel of torch a fresh machine here has on disk; GPU users override it,
+# e.g. `make test TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128'`.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install run test test-fast bench sweep clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch goes in first, so the project's `torch>=2.11,<2.15` range is already met and pip
+# never pulls a multi-GB CUDA build. nemo-gym's staging module needs only pydantic and orjson,
+# so it is installed without its ~40 heavy dependencies (it declares Python >= 3.13).
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH_SPEC)
+	$(PY) -m pip install --quiet -e '.[test]'
+	-$(PY) -m pip install --quiet --no-deps --ignore-requires-python nemo-gym==0.7.0
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m tq_plugin.demo
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.run_all
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info outputs multirun lightning_logs

@@ -1,0 +1,1 @@
+"""tq_plugin: a data plane for RL post-training with Lightning and Hydra."""

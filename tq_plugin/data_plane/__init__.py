@@ -1,0 +1,38 @@
+"""The data plane: a keyed columnar store, its metadata receipt and the helpers above it.
+
+Layering is one-way: column I/O, packing and sharding talk to a backend only through the
+``DataPlaneClient`` methods (``call_dp``); only an adapter imports Ray or transferqueue.
+"""
+
+from tq_plugin.data_plane.backends.local import LocalDataPlane
+from tq_plugin.data_plane.client import DataPlaneClient, DataPlaneClosedError, call_dp
+from tq_plugin.data_plane.column_io import (
+    first_write,
+    jaggedize,
+    materialize,
+    nested_from_lengths,
+    read_columns,
+    round_up,
+    stamp_global_forward_pad_seqlen,
+    write_columns,
+)
+from tq_plugin.data_plane.meta import KVBatchMeta
+from tq_plugin.data_plane.schema import *  # noqa: F403  (the field-name constants are the API)
+from tq_plugin.data_plane import schema as _schema
+
+__all__ = [
+    "DataPlaneClient",
+    "DataPlaneClosedError",
+    "KVBatchMeta",
+    "LocalDataPlane",
+    "call_dp",
+    "first_write",
+    "jaggedize",
+    "materialize",
+    "nested_from_lengths",
+    "read_columns",
+    "round_up",
+    "stamp_global_forward_pad_seqlen",
+    "write_columns",
+    *[n for n in dir(_schema) if n.isupper()],
+]

@@ -1,0 +1,5 @@
+"""Data-plane backends. ``local`` is embedded and the default; only an adapter imports Ray or transferqueue."""
+
+from tq_plugin.data_plane.backends.local import LocalDataPlane
+
+__all__ = ["LocalDataPlane"]

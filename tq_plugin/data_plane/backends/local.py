@@ -1,0 +1,437 @@
+"""``LocalDataPlane``: the embedded, in-process backend and the default.
+
+Columnar: per partition and field, one contiguous buffer (see ``_columns``). A put is validated
+in full before anything is written, then applied under the store's lock, so every row and every
+field of a put lands or none does, and concurrent puts and reads never see a half-written row.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torch.nested._internal.nested_tensor import NestedTensor
+
+from tq_plugin.data_plane.backends._columns import ColumnSpec, DenseColumn, JaggedColumn
+from tq_plugin.data_plane.client import DataPlaneClosedError, FieldsLike
+from tq_plugin.data_plane.meta import KVBatchMeta
+from tq_plugin.data_plane.schema import INPUT_LENGTHS
+
+_SHOW = 5  # how many offending ids an error message names
+
+
+def _name_some(items: Sequence[Any]) -> str:
+    shown = ", ".join(repr(x) for x in list(items)[:_SHOW])
+    more = f" (+{len(items) - _SHOW} more)" if len(items) > _SHOW else ""
+    return f"[{shown}]{more}"
+
+
+def _duplicates(ids: Sequence[str]) -> list[str]:
+    if len(set(ids)) == len(ids):
+        return []
+    seen: set[str] = set()
+    return list(dict.fromkeys(s for s in ids if s in seen or seen.add(s)))
+
+
+@dataclass
+class _Partition:
+    partition_id: str
+    declared: set[str]
+    jagged: set[str]
+    num_samples: int | None = None
+    consumer_tasks: tuple[str, ...] = ()
+    grpo_group_size: int | None = None
+    enums: dict[str, list[str]] = field(default_factory=dict)
+    slot_of: dict[str, int] = field(default_factory=dict)
+    free_slots: list[int] = field(default_factory=list)
+    next_slot: int = 0
+    columns: dict[str, DenseColumn | JaggedColumn] = field(default_factory=dict)
+    tags: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """One field of a put, validated and normalized, ready to write."""
+
+    name: str
+    spec: ColumnSpec
+    block: torch.Tensor  # dense: [N, *shape]; jagged: values [total, *shape]
+    lengths: torch.Tensor | None  # jagged only: [N]
+
+
+class LocalDataPlane:
+    """Embedded keyed columnar store (implements ``DataPlaneClient``).
+
+    Partitions must be registered before use. ``fields`` declares the names producers may write
+    (an empty list leaves the schema open); ``jagged_fields`` names columns stored ragged per row
+    even when a put hands them over dense. Any other field takes its kind from its first put.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._partitions: dict[str, _Partition] = {}
+        self._closed = False
+        self._peak_bytes = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def _require_open(self) -> None:
+        if self._closed:
+            raise DataPlaneClosedError("LocalDataPlane is closed; create a new client")
+
+    def _partition(self, partition_id: str) -> _Partition:
+        part = self._partitions.get(partition_id)
+        if part is None:
+            raise KeyError(
+                f"unknown partition {partition_id!r}; call register_partition first "
+                f"(registered: {sorted(self._partitions)})"
+            )
+        return part
+
+    def close(self) -> None:
+        """Release every partition. Idempotent; any later operation raises."""
+        with self._lock:
+            self._partitions.clear()
+            self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # ------------------------------------------------------------------ schema
+    def register_partition(
+        self,
+        partition_id: str,
+        fields: Sequence[str],
+        num_samples: int | None = None,
+        consumer_tasks: Sequence[str] | None = None,
+        grpo_group_size: int | None = None,
+        enums: Mapping[str, Sequence[str]] | None = None,
+        *,
+        jagged_fields: Sequence[str] | None = None,
+    ) -> None:
+        """Declare a partition, or widen an existing one's schema (idempotent).
+
+        Re-registering never drops rows: it adds declared and jagged field names.
+        """
+        if not isinstance(partition_id, str) or not partition_id:
+            raise ValueError("register_partition: partition_id must be a non-empty string")
+        names = list(fields)
+        jagged = list(jagged_fields or ())
+        if len(set(names)) != len(names):
+            raise ValueError(f"register_partition: duplicate field names {_name_some(_duplicates(names))}")
+        if num_samples is not None and num_samples <= 0:
+            raise ValueError(f"register_partition: num_samples must be > 0, got {num_samples}")
+        with self._lock:
+            self._require_open()
+            part = self._partitions.get(partition_id)
+            if part is None:
+                part = _Partition(partition_id=partition_id, declared=set(), jagged=set())
+                self._partitions[partition_id] = part
+            if names:
+                part.declared.update(names)
+            for name in jagged:
+                col = part.columns.get(name)
+                if col is not None and col.live_rows and not col.spec.jagged:
+                    raise TypeError(
+                        f"register_partition: field {name!r} already holds dense rows; "
+                        "it cannot be re-declared jagged while they are live"
+                    )
+            part.jagged.update(jagged)
+            part.num_samples = num_samples if num_samples is not None else part.num_samples
+            part.consumer_tasks = tuple(consumer_tasks or part.consumer_tasks)
+            part.grpo_group_size = grpo_group_size or part.grpo_group_size
+            if enums:
+                part.enums.update({k: list(v) for k, v in enums.items()})
+
+    # ------------------------------------------------------------------ writes
+    def put_samples(
+        self,
+        sample_ids: Sequence[str],
+        partition_id: str,
+        fields: FieldsLike | None = None,
+        tags: Sequence[Mapping[str, Any]] | None = None,
+    ) -> KVBatchMeta:
+        """Write ``fields`` (and ``tags``) for ``sample_ids``: all of it, or nothing."""
+        ids = list(sample_ids)
+        n = len(ids)
+        bad = [s for s in ids if not isinstance(s, str)]
+        if bad:
+            raise TypeError(f"put_samples: sample_ids must be strings, got {_name_some(bad)}")
+        dups = _duplicates(ids)
+        if dups:
+            raise ValueError(f"put_samples: duplicate sample_ids in one put: {_name_some(dups)}")
+        if tags is not None:
+            tags = list(tags)
+            if len(tags) != n:
+                raise ValueError(f"put_samples: got {len(tags)} tags for {n} sample_ids")
+            if not all(isinstance(t, Mapping) for t in tags):
+                raise TypeError("put_samples: each tag must be a mapping of primitives")
+        items = _field_items(fields, n)
+        with self._lock:
+            self._require_open()
+            part = self._partition(partition_id)
+            prepared = [self._prepare(part, name, value, n) for name, value in items]
+            if n:
+                slots = self._assign_slots(part, ids)
+                for p in prepared:
+                    self._write(part, p, slots)
+                if tags is not None:
+                    for sid, t in zip(ids, tags):
+                        part.tags.setdefault(sid, {}).update(t)
+                self._peak_bytes = max(self._peak_bytes, self._reserved_bytes())
+        names = [name for name, _ in items]
+        return KVBatchMeta(
+            partition_id=partition_id,
+            task_name=None,
+            sample_ids=ids,
+            fields=names or None,
+            sequence_lengths=_lengths_from(items),
+            tags=None if tags is None else [dict(t) for t in tags],
+        )
+
+    def _prepare(self, part: _Partition, name: str, value: torch.Tensor, n: int) -> _Prepared:
+        if part.declared and name not in part.declared:
+            raise ValueError(
+                f"put_samples: field {name!r} is not declared for partition "
+                f"{part.partition_id!r}; declared fields: {sorted(part.declared)}"
+            )
+        nested = value.is_nested
+        if nested and not isinstance(value, NestedTensor):
+            raise TypeError(
+                f"put_samples: field {name!r} must be a torch.jagged nested tensor "
+                "(build it with torch.nested.nested_tensor_from_jagged), not a strided one"
+            )
+        # A jagged tensor's own methods are slow (each goes through __torch_function__), so
+        # work on its values/offsets buffers directly.
+        rows = value._offsets.shape[0] - 1 if nested else (value.shape[0] if value.dim() else -1)
+        if rows < 0:
+            raise ValueError(f"put_samples: field {name!r} is 0-d; every field needs a row dim")
+        if rows != n:
+            raise ValueError(f"put_samples: field {name!r} has {rows} rows for {n} sample_ids")
+        col = part.columns.get(name)
+        live = col is not None and col.live_rows > 0
+        jagged = col.spec.jagged if live else (name in part.jagged or nested)  # type: ignore[union-attr]
+        if nested:
+            if value._ragged_idx != 1:
+                raise TypeError(f"put_samples: field {name!r} must be ragged on dim 1")
+            if not jagged:
+                raise TypeError(
+                    f"put_samples: field {name!r} is stored dense ({col.spec.describe()}); "  # type: ignore[union-attr]
+                    "got a jagged nested tensor"
+                )
+            if value._lengths is not None:
+                value = value.contiguous()  # a narrowed view with holes
+            block = value._values.detach()
+            lengths = value._offsets.diff()
+            if lengths.device.type != "cpu":
+                lengths = lengths.cpu()
+        else:
+            value = value.detach()
+            if jagged:
+                if value.dim() < 2:
+                    raise ValueError(
+                        f"put_samples: field {name!r} is jagged; a dense put needs shape "
+                        f"[N, L, ...], got {tuple(value.shape)}"
+                    )
+                block = value.reshape(-1, *value.shape[2:])
+                lengths = torch.full((n,), value.shape[1], dtype=torch.int64)
+            else:
+                block = value
+                lengths = None
+        if block.device.type != "cpu":
+            block = block.cpu()
+        spec = ColumnSpec(jagged=jagged, dtype=block.dtype, shape=tuple(block.shape[1:]))
+        if live and spec != col.spec:  # type: ignore[union-attr]
+            what = "dtype" if spec.dtype != col.spec.dtype else "shape"  # type: ignore[union-attr]
+            raise TypeError(
+                f"put_samples: field {name!r} {what} mismatch: live rows hold "
+                f"{col.spec.describe()}, this put has {spec.describe()}"  # type: ignore[union-attr]
+            )
+        return _Prepared(name=name, spec=spec, block=block, lengths=lengths)
+
+    def _assign_slots(self, part: _Partition, ids: list[str]) -> torch.Tensor:
+        lookup = part.slot_of.get
+        slots = list(map(lookup, ids))
+        if None in slots:
+            new = [s for s, slot in zip(ids, slots) if slot is None]
+            reuse = min(len(new), len(part.free_slots))
+            fresh = range(part.next_slot, part.next_slot + len(new) - reuse)
+            taken = part.free_slots[len(part.free_slots) - reuse :]
+            del part.free_slots[len(part.free_slots) - reuse :]
+            part.next_slot += len(fresh)
+            part.slot_of.update(zip(new, [*taken, *fresh]))
+            slots = list(map(lookup, ids))
+        return torch.tensor(slots, dtype=torch.int64)
+
+    def _write(self, part: _Partition, p: _Prepared, slots: torch.Tensor) -> None:
+        col = part.columns.get(p.name)
+        if col is None or col.spec != p.spec:
+            # No live rows (checked in _prepare): the column may change kind/dtype/shape.
+            col = JaggedColumn(p.spec) if p.spec.jagged else DenseColumn(p.spec)
+            part.columns[p.name] = col
+        if p.spec.jagged:
+            col.write(slots, p.block, p.lengths)  # type: ignore[call-arg, arg-type]
+        else:
+            col.write(slots, p.block)  # type: ignore[call-arg]
+
+    # ------------------------------------------------------------------ reads
+    def get_samples(
+        self, sample_ids: Sequence[str], partition_id: str, select_fields: Sequence[str]
+    ) -> TensorDict:
+        """Exactly the requested rows, in request order, as a ``TensorDict`` of batch ``[N]``.
+
+        Jagged fields come back as ``torch.jagged`` nested tensors, dense fields dense. Every
+        returned tensor is a fresh copy, so callers may modify it freely.
+        """
+        ids = list(sample_ids)
+        names = list(select_fields)
+        if not names:
+            raise ValueError("get_samples: select_fields must name at least one field")
+        dups = _duplicates(ids)
+        if dups:
+            raise ValueError(f"get_samples: duplicate sample_ids requested: {_name_some(dups)}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"get_samples: duplicate select_fields {_name_some(_duplicates(names))}")
+        out: dict[str, torch.Tensor] = {}
+        with self._lock:
+            self._require_open()
+            part = self._partition(partition_id)
+            found = list(map(part.slot_of.get, ids))
+            if None in found:
+                missing = [s for s, slot in zip(ids, found) if slot is None]
+                raise KeyError(
+                    f"get_samples: {len(missing)} unknown sample_ids in partition "
+                    f"{partition_id!r}: {_name_some(missing)}"
+                )
+            slots = torch.tensor(found, dtype=torch.int64)
+            for name in names:
+                col = part.columns.get(name)
+                if col is None:
+                    raise KeyError(
+                        f"get_samples: field {name!r} was never written to partition "
+                        f"{partition_id!r}"
+                    )
+                have = col.has(slots)
+                if not bool(have.all()):
+                    lacking = [ids[i] for i in torch.nonzero(~have).flatten().tolist()]
+                    raise KeyError(
+                        f"get_samples: field {name!r} not written for {len(lacking)} requested "
+                        f"rows of partition {partition_id!r}: {_name_some(lacking)}"
+                    )
+                if col.spec.jagged:
+                    values, offsets = col.read(slots)  # type: ignore[misc]
+                    out[name] = torch.nested.nested_tensor_from_jagged(values, offsets)
+                else:
+                    out[name] = col.read(slots)  # type: ignore[assignment]
+        return TensorDict(out, batch_size=[len(ids)])
+
+    def get_tags(self, sample_ids: Sequence[str], partition_id: str) -> list[dict[str, Any]]:
+        """The tags stored for each id (empty dict when none), in request order."""
+        with self._lock:
+            self._require_open()
+            part = self._partition(partition_id)
+            missing = [s for s in sample_ids if s not in part.slot_of]
+            if missing:
+                raise KeyError(f"get_tags: unknown sample_ids {_name_some(missing)}")
+            return [dict(part.tags.get(s, {})) for s in sample_ids]
+
+    def list_sample_ids(self, partition_id: str) -> list[str]:
+        """Sorted ids of the partition's live rows; ``[]`` for an unknown partition."""
+        with self._lock:
+            self._require_open()
+            part = self._partitions.get(partition_id)
+            return sorted(part.slot_of) if part else []
+
+    def list_partitions(self) -> list[str]:
+        with self._lock:
+            self._require_open()
+            return sorted(self._partitions)
+
+    # ------------------------------------------------------------------ clears
+    def clear_samples(self, sample_ids: Sequence[str] | None, partition_id: str) -> None:
+        """Drop rows (idempotent: unknown ids are ignored). ``None`` drops the whole partition.
+
+        Freed slots are reused and jagged buffers are compacted once garbage outweighs live
+        data, so a long run that clears each step does not grow without bound.
+        """
+        with self._lock:
+            self._require_open()
+            part = self._partitions.get(partition_id)
+            if sample_ids is None:
+                if part is None or not part.slot_of:
+                    warnings.warn(
+                        f"clear_samples(None, {partition_id!r}) found nothing to clear",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+                self._partitions.pop(partition_id, None)
+                return
+            if part is None:
+                return
+            pop = part.slot_of.pop
+            slots = [slot for slot in (pop(s, None) for s in sample_ids) if slot is not None]
+            if part.tags:
+                for s in sample_ids:
+                    part.tags.pop(s, None)
+            if not slots:
+                return
+            part.free_slots.extend(slots)
+            index = torch.tensor(slots, dtype=torch.int64)
+            for col in part.columns.values():
+                col.drop(index)
+
+    # ------------------------------------------------------------------ accounting
+    def _reserved_bytes(self) -> int:
+        return sum(c.reserved_bytes for p in self._partitions.values() for c in p.columns.values())
+
+    def stats(self) -> dict[str, int]:
+        """Rows held, bytes of live data, bytes reserved by buffers, and the peak reserved."""
+        with self._lock:
+            cols = [c for p in self._partitions.values() for c in p.columns.values()]
+            return {
+                "partitions": len(self._partitions),
+                "rows": sum(len(p.slot_of) for p in self._partitions.values()),
+                "live_bytes": sum(c.live_bytes for c in cols),
+                "bytes_held": sum(c.reserved_bytes for c in cols),
+                "peak_bytes_held": self._peak_bytes,
+            }
+
+
+def _field_items(fields: FieldsLike | None, n: int) -> list[tuple[str, torch.Tensor]]:
+    """Flatten a put's payload to (name, tensor) pairs, rejecting what a column cannot hold."""
+    if fields is None:
+        return []
+    if isinstance(fields, TensorDictBase):
+        if tuple(fields.batch_size) != (n,):
+            raise ValueError(
+                f"put_samples: fields.batch_size is {tuple(fields.batch_size)}, expected ({n},)"
+            )
+        pairs = list(fields.items())
+    elif isinstance(fields, Mapping):
+        pairs = list(fields.items())
+    else:
+        raise TypeError(
+            f"put_samples: fields must be a TensorDict or a mapping of tensors, got {type(fields).__name__}"
+        )
+    for name, value in pairs:
+        if not isinstance(name, str):
+            raise TypeError(f"put_samples: field names must be strings, got {name!r}")
+        if not isinstance(value, torch.Tensor):
+            kind = type(value).__name__
+            raise TypeError(
+                f"put_samples: field {name!r} is a non-tensor leaf ({kind}); only tensors "
+                "(dense or torch.jagged nested) are stored. Put primitives in tags."
+            )
+    return pairs
+
+
+def _lengths_from(items: list[tuple[str, torch.Tensor]]) -> list[int] | None:
+    for name, value in items:
+        if name == INPUT_LENGTHS and not value.is_nested and value.dim() == 1:
+            return [int(x) for x in value.tolist()]
+    return None

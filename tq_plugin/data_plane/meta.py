@@ -1,0 +1,180 @@
+"""`KVBatchMeta`: the metadata receipt that travels instead of tensors.
+
+A meta names rows (``sample_ids``) in one partition and, optionally, the fields a put wrote or a
+consumer will read, each row's valid token length, a batch-level ``extra_info`` bag (pad target,
+microbatch plan, ...) and per-row primitive ``tags``. It holds no tensors, so it pickles in
+microseconds and can cross process boundaries freely. Every method except ``stamp_tags`` is pure
+and returns a new meta.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+# extra_info keys holding one entry per row: they must follow the rows through subset/concat.
+PER_ROW_EXTRA_INFO_KEYS = ("packed_attention_segment_lengths",)
+
+
+@dataclass
+class KVBatchMeta:
+    """Receipt for rows of one partition: keys, lengths, batch-level info and per-row tags.
+
+    ``sample_ids`` uniqueness is not enforced here (a meta is a view); the data plane rejects
+    duplicate ids where they would be ambiguous. ``tags`` must align 1:1 with ``sample_ids``.
+    """
+
+    partition_id: str
+    task_name: str | None
+    sample_ids: list[str]
+    fields: list[str] | None = None
+    sequence_lengths: list[int] | None = None
+    extra_info: dict[str, Any] = field(default_factory=dict)
+    tags: list[dict[str, Any]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.tags is not None and len(self.tags) != len(self.sample_ids):
+            raise ValueError(
+                f"KVBatchMeta.tags must align 1:1 with sample_ids: "
+                f"got {len(self.tags)} tags for {len(self.sample_ids)} sample_ids"
+            )
+        if self.sequence_lengths is not None and len(self.sequence_lengths) != len(
+            self.sample_ids
+        ):
+            raise ValueError(
+                f"KVBatchMeta.sequence_lengths must align 1:1 with sample_ids: "
+                f"got {len(self.sequence_lengths)} lengths for {len(self.sample_ids)} sample_ids"
+            )
+
+    @property
+    def size(self) -> int:
+        return len(self.sample_ids)
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    # ------------------------------------------------------------------ row selection
+    def subset(self, indices: Iterable[int]) -> KVBatchMeta:
+        """Rows at ``indices``, in that order (duplicates allowed); lengths and tags follow."""
+        idx = [int(i) for i in indices]
+        n = self.size
+        for i in idx:
+            if not -n <= i < n:
+                raise IndexError(f"KVBatchMeta.subset: index {i} out of range for size {n}")
+        extra = dict(self.extra_info)
+        for key in PER_ROW_EXTRA_INFO_KEYS:
+            if key in extra:
+                rows = extra[key]
+                if len(rows) != n:
+                    raise ValueError(
+                        f"KVBatchMeta.extra_info[{key!r}] has {len(rows)} rows, expected {n}"
+                    )
+                extra[key] = [rows[i] for i in idx]
+        return KVBatchMeta(
+            partition_id=self.partition_id,
+            task_name=self.task_name,
+            sample_ids=[self.sample_ids[i] for i in idx],
+            fields=None if self.fields is None else list(self.fields),
+            sequence_lengths=(
+                None if self.sequence_lengths is None else [self.sequence_lengths[i] for i in idx]
+            ),
+            extra_info=extra,
+            tags=None if self.tags is None else [dict(self.tags[i]) for i in idx],
+        )
+
+    def slice(self, start: int, stop: int) -> KVBatchMeta:
+        """Contiguous rows ``[start, stop)``; out-of-range bounds raise ``IndexError``."""
+        if not 0 <= start <= stop <= self.size:
+            raise IndexError(
+                f"KVBatchMeta.slice({start}, {stop}) out of range for size {self.size}"
+            )
+        return self.subset(range(start, stop))
+
+    def drop(self, indices: Iterable[int]) -> KVBatchMeta | None:
+        """The complement of ``subset``: every row not in ``indices``; ``None`` when none is left."""
+        dropped = {int(i) % self.size if self.size else int(i) for i in indices}
+        keep = [i for i in range(self.size) if i not in dropped]
+        if not keep:
+            return None
+        return self.subset(keep)
+
+    def concat(self, *others: KVBatchMeta) -> KVBatchMeta:
+        """Rows of ``self`` then each of ``others``; all must share ``partition_id``.
+
+        Lengths and tags survive only when every input has them; ``fields`` is the union in
+        first-seen order; ``extra_info`` comes from ``self``.
+        """
+        metas = (self, *others)
+        for m in others:
+            if m.partition_id != self.partition_id:
+                raise ValueError(
+                    "KVBatchMeta.concat: partition_ids must match "
+                    f"({self.partition_id!r} != {m.partition_id!r})"
+                )
+        fields: list[str] = []
+        for m in metas:
+            for name in m.fields or ():
+                if name not in fields:
+                    fields.append(name)
+        seqlens = (
+            [x for m in metas for x in m.sequence_lengths]  # type: ignore[union-attr]
+            if all(m.sequence_lengths is not None for m in metas)
+            else None
+        )
+        tags = (
+            [dict(t) for m in metas for t in m.tags]  # type: ignore[union-attr]
+            if all(m.tags is not None for m in metas)
+            else None
+        )
+        extra = dict(self.extra_info)
+        for key in PER_ROW_EXTRA_INFO_KEYS:
+            if any(key in m.extra_info for m in metas):
+                if not all(key in m.extra_info for m in metas):
+                    raise ValueError(
+                        f"KVBatchMeta.concat: extra_info[{key!r}] is present on some inputs only"
+                    )
+                extra[key] = [r for m in metas for r in m.extra_info[key]]
+        return KVBatchMeta(
+            partition_id=self.partition_id,
+            task_name=self.task_name,
+            sample_ids=[s for m in metas for s in m.sample_ids],
+            fields=fields or None,
+            sequence_lengths=seqlens,
+            extra_info=extra,
+            tags=tags,
+        )
+
+    # ------------------------------------------------------------------ fields and tags
+    def with_fields(self, names: Iterable[str]) -> KVBatchMeta:
+        """A new meta whose ``fields`` adds ``names`` (order-preserving, de-duplicated)."""
+        fields = list(self.fields or ())
+        for name in names:
+            if name not in fields:
+                fields.append(name)
+        return KVBatchMeta(
+            partition_id=self.partition_id,
+            task_name=self.task_name,
+            sample_ids=list(self.sample_ids),
+            fields=fields,
+            sequence_lengths=None if self.sequence_lengths is None else list(self.sequence_lengths),
+            extra_info=copy.copy(self.extra_info),
+            tags=None if self.tags is None else [dict(t) for t in self.tags],
+        )
+
+    def stamp_tags(self, scalars: Mapping[str, Sequence[Any]]) -> None:
+        """Set ``tags[i][name] = values[i]`` for each name, in place.
+
+        All lengths are checked before any tag is written, so a bad call stamps nothing.
+        """
+        for name, values in scalars.items():
+            if len(values) != self.size:
+                raise ValueError(
+                    f"stamp_tags: {name!r} has {len(values)} values, expected {self.size}"
+                )
+        if self.tags is None:
+            self.tags = [{} for _ in range(self.size)]
+        for name, values in scalars.items():
+            for row, value in zip(self.tags, values):
+                row[name] = value
