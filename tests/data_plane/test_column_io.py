@@ -1,0 +1,168 @@
+"""Column I/O: first write, write-back, padded reads and the pad target (reference §5.1, §7, §14.5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tq_plugin.data_plane import (
+    GLOBAL_FORWARD_PAD_SEQLEN,
+    KVBatchMeta,
+    first_write,
+    jaggedize,
+    materialize,
+    read_columns,
+    round_up,
+    stamp_global_forward_pad_seqlen,
+    write_columns,
+)
+
+from .conftest import ragged
+
+
+def _rollout(n: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
+    lens = [5, 9, 3, 7][:n]
+    return {
+        "input_ids": ragged(lens, torch.int64, seed=seed),
+        "token_mask": ragged(lens, torch.float32, seed=seed + 1),
+        "generation_logprobs": ragged(lens, torch.float32, seed=seed + 2),
+        "input_lengths": torch.tensor(lens),
+        "sample_mask": torch.ones(n),
+        "total_reward": torch.arange(n, dtype=torch.float32),
+    }
+
+
+@pytest.fixture
+def step(client):
+    client.register_partition("train", [])
+    batch = _rollout()
+    ids = [f"uid_g{i}" for i in range(4)]
+    meta = first_write(batch, sample_ids=ids, client=client, partition_id="train", pad_to_multiple=4)
+    return client, batch, meta
+
+
+def test_round_up():
+    assert [round_up(v, 64) for v in (1, 64, 65)] == [64, 64, 128]
+    assert round_up(13, 1) == 13 and round_up(13, 0) == 13
+
+
+def test_first_write_returns_the_step_meta(step):
+    client, batch, meta = step
+    assert meta.sample_ids == ["uid_g0", "uid_g1", "uid_g2", "uid_g3"]
+    assert meta.task_name == "train" and meta.sequence_lengths == [5, 9, 3, 7]
+    assert set(meta.fields) == set(batch)
+    assert meta.extra_info == {"pad_to_multiple": 4}
+    assert client.list_sample_ids("train") == sorted(meta.sample_ids)
+
+
+def test_first_write_rejects_bad_batches(client):
+    client.register_partition("train", [])
+    batch = _rollout()
+    with pytest.raises(ValueError, match="3 sample_ids for a batch of 4"):
+        first_write(batch, sample_ids=["a", "b", "c"], client=client, partition_id="train")
+    with pytest.raises(ValueError, match="needs a 'sample_mask'"):
+        first_write({"input_lengths": batch["input_lengths"]}, sample_ids=list("abcd"), client=client, partition_id="train")
+    with pytest.raises(TypeError, match="'names' is list"):
+        first_write({**batch, "names": ["x"] * 4}, sample_ids=list("abcd"), client=client, partition_id="train")
+    with pytest.raises(ValueError, match="2 tags"):
+        first_write(batch, sample_ids=list("abcd"), client=client, partition_id="train", tags=[{}, {}])
+    assert client.list_sample_ids("train") == []
+
+
+def test_first_write_jaggedizes_padded_per_token_columns(client):
+    client.register_partition("train", [])
+    padded = torch.arange(12).reshape(2, 6)
+    meta = first_write(
+        {"input_ids": padded, "input_lengths": torch.tensor([2, 6]), "sample_mask": torch.ones(2)},
+        sample_ids=["a", "b"], client=client, partition_id="train",
+    )
+    got = client.get_samples(meta.sample_ids, "train", ["input_ids"])["input_ids"]
+    assert [r.tolist() for r in got.unbind()] == [[0, 1], [6, 7, 8, 9, 10, 11]]
+
+
+def test_padded_read_matches_manual_padding_at_the_pad_target(step):
+    client, batch, meta = step
+    stamp_global_forward_pad_seqlen(meta, sequence_length_round=8)
+    assert meta.extra_info[GLOBAL_FORWARD_PAD_SEQLEN] == 16
+    shard = meta.subset([2, 0])
+    out = read_columns(client, shard, ["input_ids", "token_mask", "total_reward"], pad_value_dict={"input_ids": -1})
+    assert out["input_ids"].shape == (2, 16) and out["token_mask"].shape == (2, 16)
+    rows = batch["input_ids"].unbind()
+    expect = torch.full((2, 16), -1, dtype=torch.int64)
+    expect[0, :3] = rows[2]
+    expect[1, :5] = rows[0]
+    assert torch.equal(out["input_ids"], expect)
+    assert out["token_mask"][0, 3:].eq(0).all()
+    assert out["total_reward"].tolist() == [2.0, 0.0]
+
+
+def test_jagged_read_returns_nested_untouched(step):
+    client, batch, meta = step
+    out = read_columns(client, meta, ["generation_logprobs"], layout="jagged")
+    assert out["generation_logprobs"].is_nested
+    assert torch.equal(out["generation_logprobs"].values(), batch["generation_logprobs"].values())
+
+
+def test_write_back_of_padded_columns_lands_at_row_lengths(step):
+    client, batch, meta = step
+    stamp_global_forward_pad_seqlen(meta)
+    adv = torch.arange(4 * 9, dtype=torch.float32).reshape(4, 9)
+    write_columns(client, meta, {"advantages": adv, "baseline": torch.ones(4)})
+    got = client.get_samples(meta.sample_ids, "train", ["advantages"])["advantages"]
+    assert [r.shape[0] for r in got.unbind()] == [5, 9, 3, 7]
+    assert torch.equal(got.unbind()[2], adv[2, :3])
+    padded = read_columns(client, meta, ["advantages", "input_ids"])
+    assert padded["advantages"].shape == padded["input_ids"].shape == (4, 12)  # pad_to_multiple=4
+
+
+def test_write_back_refuses_to_truncate_and_to_misalign(step):
+    client, batch, meta = step
+    with pytest.raises(ValueError, match="refusing to truncate"):
+        write_columns(client, meta, {"advantages": torch.zeros(4, 8)})
+    with pytest.raises(ValueError, match="row lengths differ"):
+        write_columns(client, meta, {"advantages": ragged([5, 9, 3, 6], torch.float32)})
+    with pytest.raises(KeyError):
+        client.get_samples(meta.sample_ids, "train", ["advantages"])
+
+
+def test_write_columns_with_nothing_is_a_no_op(step):
+    client, _, meta = step
+    write_columns(client, meta, {})
+
+
+def test_read_never_mints_and_stamp_is_a_ratchet():
+    meta = KVBatchMeta("p", None, ["a", "b"], sequence_lengths=[10, 70])
+    stamp_global_forward_pad_seqlen(meta, sequence_length_round=64)
+    assert meta.extra_info[GLOBAL_FORWARD_PAD_SEQLEN] == 128
+    meta.extra_info[GLOBAL_FORWARD_PAD_SEQLEN] = 256
+    stamp_global_forward_pad_seqlen(meta, sequence_length_round=64)
+    assert meta.extra_info[GLOBAL_FORWARD_PAD_SEQLEN] == 256
+    empty = KVBatchMeta("p", None, [])
+    stamp_global_forward_pad_seqlen(empty)
+    assert GLOBAL_FORWARD_PAD_SEQLEN not in empty.extra_info
+
+
+def test_materialize_widens_only_per_token_columns():
+    from tensordict import TensorDict
+
+    td = TensorDict(
+        {
+            "input_ids": ragged([3, 5], torch.int64),
+            "pixel_values": torch.zeros(2, 5, 4, 4),
+            "prev_logprobs": torch.zeros(2, 5),
+        },
+        [2],
+    )
+    out = materialize(td, "padded", pad_to_seqlen=64)
+    assert out["input_ids"].shape == (2, 64)
+    assert out["prev_logprobs"].shape == (2, 64)
+    assert out["pixel_values"].shape == (2, 5, 4, 4)
+    with pytest.raises(ValueError, match="layout"):
+        materialize(td, "packed")  # type: ignore[arg-type]
+
+
+def test_jaggedize_checks_shapes():
+    with pytest.raises(ValueError, match=r"\[N=2, S, ...\]"):
+        jaggedize("x", torch.zeros(3), torch.tensor([1, 2]))
+    nt = jaggedize("x", torch.arange(6).reshape(2, 3, 1), torch.tensor([1, 3]))
+    assert nt.unbind()[1].shape == (3, 1)
