@@ -311,3 +311,21 @@ def test_concurrent_puts_and_reads_never_see_partial_rows(client):
     assert len(ids) == 320
     td = client.get_samples(ids, "train", ["n"])
     assert int(td["n"].sum()) == 8 * sum(1 + (i % 7) for i in range(40))
+
+
+def test_scattered_reads_of_many_rows_after_overwrites_are_exact(client):
+    client.register_partition("train", [])
+    lens = [1 + (i * 37) % 50 for i in range(300)]
+    ids = [f"r{i}" for i in range(300)]
+    col = ragged(lens, torch.int64, 2)
+    client.put_samples(ids, "train", {"x": col})
+    # overwrite every third row, so storage order no longer follows id order
+    redo = ids[::3]
+    redo_col = ragged(lens[::3], torch.int64, 2, seed=9)
+    client.put_samples(redo, "train", {"x": redo_col})
+    expect = dict(zip(ids, col.unbind()))
+    expect.update(zip(redo, redo_col.unbind()))
+    order = torch.randperm(300, generator=torch.Generator().manual_seed(0)).tolist()
+    got = client.get_samples([ids[i] for i in order], "train", ["x"])["x"].unbind()
+    for i, row in zip(order, got):
+        assert torch.equal(row, expect[ids[i]])

@@ -7,6 +7,7 @@ padding is paid only when a consumer materializes a read, and always to one pad 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,6 +24,13 @@ from tq_plugin.data_plane.schema import (
     SAMPLE_MASK,
     TOKEN_ALIGNED_FIELDS,
     Layout,
+)
+
+
+# torch 2.13's nested_tensor_from_jagged logs a warning meant for fx/export tracing on its first
+# call, outside any tracing. Drop exactly that record; every other torch.fx message still shows.
+logging.getLogger("torch.fx._symbolic_trace").addFilter(
+    lambda record: "is_fx_tracing will return true" not in record.getMessage()
 )
 
 
