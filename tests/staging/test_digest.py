@@ -1,0 +1,212 @@
+"""The digest scheme: golden vectors, constants, rejections, and bit-exactness traps."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+
+from tq_plugin.staging import (
+    EMPTY_EXTRAS_DIGEST,
+    compute_chain_hash,
+    compute_extras_digest,
+    compute_staging_digest,
+    encode_token_ids,
+    hash_token_ids,
+)
+
+GOLDEN_EXTRAS = {"routed_experts": [[[1, 2]], [[3, 4]]]}
+GOLDEN_EXTRAS_DIGEST = "032024e899456be6e9a78c6d0399c5112d2ca7fa18d4ea9cf0d8cb7d0094f3a3"
+GOLDEN_CALL = {
+    "schema_version": 2,
+    "digest_version": 2,
+    "extras_digest_version": 1,
+    "rollout_id": "rollout-1",
+    "model_call_id": "call-1",
+    "parent_call_id": "parent-1",
+    "mode": "token_in",
+    "prev_len": 3,
+    "delta_len": 2,
+    "cum_len": 5,
+    "weight_version": 7,
+    "token_ids_delta": [10, 11],
+    "token_mask_delta": [0.0, 1.0],
+    "generation_log_probs_delta": [0.0, -0.25],
+    "extras_digest": GOLDEN_EXTRAS_DIGEST,
+    "chain_hash": "1" * 64,
+    "cumulative_hash": "2" * 64,
+}
+GOLDEN_CALL_DIGEST = "1122c7fe7e914c809eb9b1c09b26d94a50c1eb2790e7430fbcd8363b846ccf27"
+
+
+def test_golden_vectors_reproduce() -> None:
+    assert compute_extras_digest(GOLDEN_EXTRAS) == GOLDEN_EXTRAS_DIGEST
+    assert compute_staging_digest(**GOLDEN_CALL) == GOLDEN_CALL_DIGEST
+
+
+def test_reference_constants() -> None:
+    assert EMPTY_EXTRAS_DIGEST == compute_extras_digest(None)
+    assert EMPTY_EXTRAS_DIGEST == "a1edc33c107616cf344faf0103daa025cfb125f8e1c784ae5f6a49faf2b768b6"
+    assert hash_token_ids([]) == "17088fc6f8fd317bf02bd83e106f7ca2dfb7b9cfc63927c2387d4c87f29578ef"
+    assert compute_chain_hash(None, [10, 11, 12]) == (
+        "14c5e45c969e9b8b821f302201ad9d9b6b4f7427ac18dab2cb150af8e3acdd65"
+    )
+
+
+def test_extras_digest_ignores_key_order_and_token_encoding_counts_length() -> None:
+    assert compute_extras_digest({"a": 1, "b": 2}) == compute_extras_digest({"b": 2, "a": 1})
+    assert compute_extras_digest(OrderedDict(a=1)) == compute_extras_digest({"a": 1})
+    assert encode_token_ids([1]) != encode_token_ids([1, 0])
+
+
+@pytest.mark.parametrize("value", [1, 1.0, True, {}, None, [], "1", -0.0, 0.0])
+def test_extras_values_that_look_alike_hash_apart(value: object) -> None:
+    others = [1, 1.0, True, {}, None, [], "1", -0.0, 0.0]
+    digests = {repr(v): compute_extras_digest({"k": v}) for v in others}
+    assert len(set(digests.values())) == len(others)
+    assert compute_extras_digest({"k": value}) == digests[repr(value)]
+    assert compute_extras_digest({}) != compute_extras_digest(None)
+
+
+def _scalar_tokens(ids: list[int]) -> bytes:
+    """The spec read literally: one struct pack per id (the oracle for the vectorized encoder)."""
+    return struct.pack(">Q", len(ids)) + b"".join(struct.pack(">Q", i) for i in ids)
+
+
+def test_vectorized_token_encoding_matches_the_spec_and_accepts_tensors() -> None:
+    rng = np.random.default_rng(0)
+    ids = [int(x) for x in rng.integers(0, 2**63 - 1, size=300)] + [2**64 - 1, 0]
+    assert encode_token_ids(ids) == _scalar_tokens(ids)
+    small = ids[:-2]
+    assert encode_token_ids(torch.tensor(small)) == _scalar_tokens(small)
+    assert encode_token_ids(np.asarray(small, dtype=np.int64)) == _scalar_tokens(small)
+
+
+def test_tensor_columns_hash_like_python_lists() -> None:
+    call = dict(GOLDEN_CALL)
+    call["token_ids_delta"] = torch.tensor([10, 11])
+    call["token_mask_delta"] = torch.tensor([0.0, 1.0])
+    call["generation_log_probs_delta"] = torch.tensor([0.0, -0.25])
+    assert compute_staging_digest(**call) == GOLDEN_CALL_DIGEST
+
+
+_MUTATIONS = {
+    "rollout_id": "rollout-2",
+    "model_call_id": "call-2",
+    "parent_call_id": "parent-2",
+    "mode": "text",
+    "prev_len": 4,
+    "delta_len": 3,
+    "cum_len": 6,
+    "weight_version": 8,
+    "token_ids_delta": [10, 12],
+    "token_mask_delta": [1.0, 1.0],
+    "generation_log_probs_delta": [0.0, -0.5],
+    "extras_digest": EMPTY_EXTRAS_DIGEST,
+    "chain_hash": "3" * 64,
+    "cumulative_hash": "4" * 64,
+}
+
+
+@pytest.mark.parametrize("field", sorted(_MUTATIONS))
+def test_every_mutable_field_changes_the_digest_or_is_rejected(field: str) -> None:
+    call = {**GOLDEN_CALL, field: _MUTATIONS[field]}
+    try:
+        assert compute_staging_digest(**call) != GOLDEN_CALL_DIGEST
+    except ValueError:
+        pass
+
+
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("schema_version", 1, "unsupported staging schema"),
+        ("digest_version", 1, "unsupported staging digest"),
+        ("extras_digest_version", 2, "unsupported extras digest"),
+        ("schema_version", True, "unsupported staging schema"),
+    ],
+)
+def test_unknown_versions_are_rejected(field: str, value: object, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        compute_staging_digest(**{**GOLDEN_CALL, field: value})
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_nonfinite_numbers_are_rejected(bad: float) -> None:
+    with pytest.raises(ValueError, match="finite"):
+        compute_staging_digest(**{**GOLDEN_CALL, "generation_log_probs_delta": [0.0, bad]})
+    with pytest.raises(ValueError, match="finite"):
+        compute_extras_digest({"x": [bad]})
+
+
+@pytest.mark.parametrize(
+    "changes,match",
+    [
+        ({"rollout_id": ""}, "non-empty"),
+        ({"parent_call_id": ""}, "parent_call_id must be non-empty"),
+        ({"mode": "x"}, "unsupported capture mode"),
+        ({"parent_call_id": None}, "parentless call must be a text-mode root"),
+        ({"mode": "text"}, "child call must use token_in"),
+        ({"delta_len": 3}, "delta_len 3 does not match 2 token IDs"),
+        ({"token_mask_delta": [0.0]}, "equal lengths"),
+        ({"token_mask_delta": [0.5, 1.0]}, "only 0.0 or 1.0"),
+        ({"generation_log_probs_delta": [-0.1, -0.25]}, "prompt-carry"),
+        ({"cum_len": 9}, r"cum_len 9 does not equal prev_len \+ delta_len \(5\)"),
+        ({"extras_digest": "A" * 64}, "lowercase SHA-256"),
+        ({"chain_hash": "xyz"}, "lowercase SHA-256"),
+        ({"token_ids_delta": [10, -1]}, "unsigned 64-bit"),
+        ({"token_ids_delta": [10, 2**64]}, "unsigned 64-bit"),
+        ({"token_ids_delta": [10, True]}, "unsigned 64-bit"),
+        ({"generation_log_probs_delta": [0.0, -1e39]}, "cannot be represented as float32"),
+        ({"generation_log_probs_delta": [0.0, -1]}, "finite Python floats"),
+        ({"weight_version": -1}, "unsigned 64-bit"),
+    ],
+)
+def test_digest_prechecks_name_the_rule(changes: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        compute_staging_digest(**{**GOLDEN_CALL, **changes})
+
+
+def test_extras_reject_ambiguous_or_unsupported_types() -> None:
+    with pytest.raises(TypeError, match="string keys"):
+        compute_extras_digest({"a": {1: 2}})
+    for bad in [(1, 2), b"x", {1, 2}, np.int64(3), OrderedDict(a=1)]:
+        with pytest.raises(TypeError, match="unsupported"):
+            compute_extras_digest({"a": bad})
+    with pytest.raises(TypeError, match="mapping or None"):
+        compute_extras_digest([1])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="signed 64-bit"):
+        compute_extras_digest({"a": 2**80})
+    with pytest.raises(ValueError, match="signed 64-bit"):
+        compute_extras_digest({"a": list(range(20)) + [2**63]})
+
+
+def test_long_int_lists_in_extras_hash_like_the_per_value_encoding() -> None:
+    values = list(range(-20, 40))
+    short_digest = hashlib.sha256(
+        b"nemo-gym-staging-extras-v1\x01D" + struct.pack(">Q", 1) + struct.pack(">Q", 1) + b"a"
+        + b"L" + struct.pack(">Q", len(values)) + b"".join(b"I" + struct.pack(">q", v) for v in values)
+    ).hexdigest()
+    assert compute_extras_digest({"a": values}) == short_digest
+
+
+def test_negative_zero_keeps_its_sign_bit_and_sub_float32_noise_collides() -> None:
+    positive = compute_staging_digest(**{**GOLDEN_CALL, "generation_log_probs_delta": [0.0, 0.0]})
+    negative = compute_staging_digest(**{**GOLDEN_CALL, "generation_log_probs_delta": [0.0, -0.0]})
+    assert positive != negative
+    a = compute_staging_digest(**{**GOLDEN_CALL, "generation_log_probs_delta": [0.0, -0.1]})
+    b = compute_staging_digest(**{**GOLDEN_CALL, "generation_log_probs_delta": [0.0, -0.1000000001]})
+    assert a == b
+
+
+def test_chain_hash_marks_roots_apart_from_children() -> None:
+    root = compute_chain_hash(None, [1, 2])
+    child = compute_chain_hash(root, [3])
+    assert child != compute_chain_hash(None, [3])
+    with pytest.raises(ValueError, match="lowercase SHA-256"):
+        compute_chain_hash("F" * 64, [1])

@@ -1,0 +1,353 @@
+"""The staging digest scheme (wire versions 2/2/1), byte-compatible with NeMo-Gym 0.7.0.
+
+Every hash is SHA-256 over an ASCII domain tag followed directly by a payload. Token and
+float columns are encoded a whole column at a time (numpy big-endian views), never one
+Python value at a time, so hashing a staged delta costs about as much as copying it.
+
+The encodings, in the reference's words: ``U64`` is 8 bytes big-endian unsigned; ``TEXT``
+is ``U64(len) + utf8``; ``TOKENS`` is ``U64(count)`` then each id as ``U64``; ``F32S`` is
+``U64(count)`` then each value's IEEE-754 binary32 bit pattern, big-endian, after
+round-to-nearest-even from float64. A ``-0.0`` keeps its sign bit, so it hashes apart
+from ``0.0``; values that differ only below float32 precision hash alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+STAGING_SCHEMA_VERSION = 2
+STAGING_DIGEST_VERSION = 2
+EXTRAS_DIGEST_VERSION = 1
+
+CALL_DOMAIN = b"nemo-gym-staging-call-v2"
+EXTRAS_DOMAIN = b"nemo-gym-staging-extras-v1"
+PREFIX_DOMAIN = b"nemo-gym-staging-prefix-v2"
+CHAIN_DOMAIN = b"nemo-gym-staging-chain-v1"
+
+CAPTURE_MODES = ("text", "token_in")
+_U64_MAX = 2**64 - 1
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+_HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
+_U64 = struct.Struct(">Q")
+_I64 = struct.Struct(">q")
+_F64 = struct.Struct(">d")
+# Flat int lists at least this long are encoded through numpy instead of per value.
+_EXTRAS_FAST_INTS = 16
+
+
+def _u64(value: Any, name: str) -> bytes:
+    if type(value) is not int or not 0 <= value <= _U64_MAX:
+        raise ValueError(f"{name} must be an unsigned 64-bit integer, got {value!r}")
+    return _U64.pack(value)
+
+
+def _text(value: Any) -> bytes:
+    if type(value) is not str:
+        raise TypeError(f"expected text, got {type(value).__name__}")
+    raw = value.encode("utf-8")
+    return _U64.pack(len(raw)) + raw
+
+
+def _opt_text(value: str | None) -> bytes:
+    return b"\x00" if value is None else b"\x01" + _text(value)
+
+
+def digest_to_bytes(value: Any, name: str) -> bytes:
+    """The 32 raw bytes of a lowercase SHA-256 hex digest; anything else is a ValueError."""
+    if type(value) is not str or _HEX_DIGEST.fullmatch(value) is None:
+        raise ValueError(f"{name} must be a lowercase SHA-256 hex digest")
+    return bytes.fromhex(value)
+
+
+def _first_bad(values: Any, ok: np.ndarray) -> Any:
+    return values[int(np.flatnonzero(~ok)[0])]
+
+
+def token_id_array(token_ids: Any, name: str = "token_id") -> np.ndarray:
+    """Token ids as a big-endian uint64 array, validated as exact non-negative u64 ints.
+
+    Lists must hold exact ``int`` (``bool`` is rejected, as in the reference); integer
+    tensors and arrays are taken whole.
+    """
+    if isinstance(token_ids, torch.Tensor):
+        token_ids = token_ids.detach().cpu().numpy()
+    if isinstance(token_ids, np.ndarray):
+        if token_ids.dtype.kind not in "iu" or token_ids.ndim != 1:
+            raise ValueError(f"{name} values must be a 1-D integer column, got {token_ids.dtype}")
+        if token_ids.size and token_ids.dtype.kind == "i" and token_ids.min() < 0:
+            bad = token_ids[int(np.argmin(token_ids))]
+            raise ValueError(f"{name} must be an unsigned 64-bit integer, got {int(bad)}")
+        return token_ids.astype(">u8", copy=False)
+    token_ids = list(token_ids)
+    kinds = set(map(type, token_ids))
+    if kinds - {int}:
+        bad = next(v for v in token_ids if type(v) is not int)
+        raise ValueError(f"{name} must be an unsigned 64-bit integer, got {bad!r}")
+    try:
+        return np.asarray(token_ids, dtype=">u8")
+    except OverflowError:
+        bad = next(v for v in token_ids if not 0 <= v <= _U64_MAX)
+        raise ValueError(f"{name} must be an unsigned 64-bit integer, got {bad!r}") from None
+
+
+def float_array(values: Any, name: str) -> np.ndarray:
+    """A float column as float64 (exact Python floats) or float32 (tensors), finite-checked.
+
+    Float32 inputs are kept as is (they already are wire values); Python floats keep their
+    float64 values so the {0.0, 1.0} mask and carry rules see what the caller wrote.
+    """
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu()
+        if values.dtype == torch.bfloat16 or values.dtype == torch.float16:
+            values = values.float()
+        values = values.numpy()
+    if isinstance(values, np.ndarray):
+        if values.dtype.kind != "f" or values.ndim != 1:
+            raise ValueError(f"{name} values must be a 1-D float column, got {values.dtype}")
+        arr = values
+    else:
+        values = list(values)
+        if set(map(type, values)) - {float}:
+            bad = next(v for v in values if type(v) is not float)
+            raise ValueError(f"{name} values must be finite Python floats, got {bad!r}")
+        arr = np.asarray(values, dtype=np.float64)
+    finite = np.isfinite(arr)
+    if not finite.all():
+        raise ValueError(f"{name} values must be finite Python floats, got {_first_bad(arr, finite)!r}")
+    return arr
+
+
+def float32_be(arr: np.ndarray, name: str) -> np.ndarray:
+    """Round a finite float column to float32 (nearest-even), big-endian; overflow is a ValueError."""
+    if arr.dtype == np.float32 or arr.dtype == np.dtype(">f4"):
+        return arr.astype(">f4", copy=False)
+    with np.errstate(over="ignore"):
+        out = arr.astype(">f4")
+    finite = np.isfinite(out)
+    if not finite.all():
+        bad = float(_first_bad(arr, finite))
+        raise ValueError(f"{name} value cannot be represented as float32: {bad!r}")
+    return out
+
+
+def _tokens_payload(ids_be: np.ndarray) -> bytes:
+    return _U64.pack(ids_be.size) + ids_be.tobytes()
+
+
+def _f32s_payload(f32_be: np.ndarray) -> bytes:
+    return _U64.pack(f32_be.size) + f32_be.tobytes()
+
+
+def encode_token_ids(token_ids: Any) -> bytes:
+    """``TOKENS(ids)``: the count, then every id as big-endian u64."""
+    return _tokens_payload(token_id_array(token_ids))
+
+
+def hash_token_ids(token_ids: Any) -> str:
+    """The cumulative hash: SHA-256(prefix-v2 tag ‖ TOKENS(ids)); an empty list is allowed."""
+    return hashlib.sha256(PREFIX_DOMAIN + encode_token_ids(token_ids)).hexdigest()
+
+
+def compute_chain_hash(parent_chain_hash: str | None, token_ids_delta: Any) -> str:
+    """chain_N = SHA-256(chain-v1 ‖ (0x00 | 0x01 + parent bytes) ‖ TOKENS(delta_N)).
+
+    The marker byte keeps a root's chain hash apart from any child's.
+    """
+    if parent_chain_hash is None:
+        parent = b"\x00"
+    else:
+        parent = b"\x01" + digest_to_bytes(parent_chain_hash, "parent_chain_hash")
+    return hashlib.sha256(CHAIN_DOMAIN + parent + encode_token_ids(token_ids_delta)).hexdigest()
+
+
+def _encode_extras_value(value: Any, out: list[bytes]) -> None:
+    kind = type(value)
+    if value is None:
+        out.append(b"N")
+    elif kind is bool:
+        out.append(b"B\x01" if value else b"B\x00")
+    elif kind is int:
+        if not _I64_MIN <= value <= _I64_MAX:
+            raise ValueError("extras integer is outside signed 64-bit range")
+        out.append(b"I" + _I64.pack(value))
+    elif kind is float:
+        if not math.isfinite(value):
+            raise ValueError("extras floats must be finite")
+        out.append(b"F" + _F64.pack(value))
+    elif kind is str:
+        out.append(b"S" + _text(value))
+    elif kind is list:
+        out.append(b"L" + _U64.pack(len(value)))
+        if len(value) >= _EXTRAS_FAST_INTS and set(map(type, value)) == {int}:
+            packed = _pack_int_list(value)
+            if packed is not None:
+                out.append(packed)
+                return
+        for item in value:
+            _encode_extras_value(item, out)
+    elif kind is dict:
+        entries = []
+        for key in value:
+            if type(key) is not str:
+                raise TypeError("extras mappings must have string keys")
+            entries.append((key.encode("utf-8"), key))
+        entries.sort()
+        out.append(b"D" + _U64.pack(len(entries)))
+        for raw, key in entries:
+            out.append(_U64.pack(len(raw)) + raw)
+            _encode_extras_value(value[key], out)
+    else:
+        raise TypeError(f"extras contain unsupported value type {kind.__name__}")
+
+
+def _pack_int_list(values: list[int]) -> bytes | None:
+    """``I`` + signed big-endian i64 per value, for a whole list at once (None: out of range)."""
+    try:
+        ints = np.asarray(values, dtype=">i8")
+    except OverflowError:
+        return None
+    packed = np.empty(ints.size, dtype=[("tag", "S1"), ("value", ">i8")])
+    packed["tag"] = b"I"
+    packed["value"] = ints
+    return packed.tobytes()
+
+
+def encode_extras(extras: Mapping[str, Any] | None) -> bytes:
+    """The typed, tag-byte encoding of an extras value (exact types; dict keys sorted by UTF-8)."""
+    if extras is not None:
+        if not isinstance(extras, Mapping):
+            raise TypeError(f"extras must be a mapping or None, got {type(extras).__name__}")
+        extras = dict(extras)
+    out: list[bytes] = []
+    _encode_extras_value(extras, out)
+    return b"".join(out)
+
+
+def compute_extras_digest(extras: Mapping[str, Any] | None) -> str:
+    """SHA-256(extras-v1 ‖ 0x01 ‖ ENC(extras)). ``None`` and ``{}`` hash apart, as do 1, 1.0, True."""
+    return hashlib.sha256(EXTRAS_DOMAIN + b"\x01" + encode_extras(extras)).hexdigest()
+
+
+EMPTY_EXTRAS_DIGEST = compute_extras_digest(None)
+
+
+def _check_identity(
+    *,
+    schema_version: Any,
+    digest_version: Any,
+    extras_digest_version: Any,
+    rollout_id: Any,
+    model_call_id: Any,
+    parent_call_id: Any,
+    mode: Any,
+    prev_len: Any,
+) -> None:
+    if type(schema_version) is not int or schema_version != STAGING_SCHEMA_VERSION:
+        raise ValueError(f"unsupported staging schema version {schema_version!r}")
+    if type(digest_version) is not int or digest_version != STAGING_DIGEST_VERSION:
+        raise ValueError(f"unsupported staging digest version {digest_version!r}")
+    if type(extras_digest_version) is not int or extras_digest_version != EXTRAS_DIGEST_VERSION:
+        raise ValueError(f"unsupported extras digest version {extras_digest_version!r}")
+    if not rollout_id or not model_call_id:
+        raise ValueError("rollout_id and model_call_id must be non-empty")
+    if parent_call_id == "":
+        raise ValueError("parent_call_id must be non-empty when present")
+    if mode not in CAPTURE_MODES:
+        raise ValueError(f"unsupported capture mode {mode!r}")
+    if parent_call_id is None and (mode != "text" or prev_len != 0):
+        raise ValueError("a parentless call must be a text-mode root with prev_len == 0")
+    if parent_call_id is not None and (mode != "token_in" or not prev_len):
+        raise ValueError("a child call must use token_in mode with prev_len > 0")
+
+
+def compute_staging_digest(
+    *,
+    schema_version: int,
+    digest_version: int,
+    extras_digest_version: int,
+    rollout_id: str,
+    model_call_id: str,
+    parent_call_id: str | None,
+    mode: str,
+    prev_len: int,
+    delta_len: int,
+    cum_len: int,
+    weight_version: int,
+    token_ids_delta: Any,
+    token_mask_delta: Any,
+    generation_log_probs_delta: Any,
+    extras_digest: str,
+    chain_hash: str,
+    cumulative_hash: str,
+) -> str:
+    """The per-call digest over identity, lengths, the three delta columns and the hashes.
+
+    Columns may be Python lists (exact ints / floats, as the records hold them) or 1-D
+    tensors / arrays (the staging wire's int64 and float32 columns); both hash the same.
+    ``staging_key``, extras bytes and attachments are not covered; extras are bound only
+    through ``extras_digest``.
+    """
+    _check_identity(
+        schema_version=schema_version,
+        digest_version=digest_version,
+        extras_digest_version=extras_digest_version,
+        rollout_id=rollout_id,
+        model_call_id=model_call_id,
+        parent_call_id=parent_call_id,
+        mode=mode,
+        prev_len=prev_len,
+    )
+    ids = token_id_array(token_ids_delta)
+    mask = float_array(token_mask_delta, "token_mask_delta")
+    logprobs = float_array(generation_log_probs_delta, "generation_log_probs_delta")
+    if type(delta_len) is not int or delta_len < 1:
+        raise ValueError("a staged call delta must contain at least one token")
+    if delta_len != ids.size:
+        raise ValueError(f"delta_len {delta_len} does not match {ids.size} token IDs")
+    if not ids.size == mask.size == logprobs.size:
+        raise ValueError("token IDs, masks, and log probabilities must have equal lengths")
+    if not ((mask == 0.0) | (mask == 1.0)).all():
+        raise ValueError("token_mask_delta must contain only 0.0 or 1.0")
+    if (logprobs[mask == 0.0] != 0.0).any():
+        raise ValueError("prompt-carry log probabilities must be 0.0")
+    if type(prev_len) is int and type(cum_len) is int and cum_len != prev_len + delta_len:
+        raise ValueError(
+            f"cum_len {cum_len} does not equal prev_len + delta_len ({prev_len + delta_len})"
+        )
+    extras_raw = digest_to_bytes(extras_digest, "extras_digest")
+    chain_raw = digest_to_bytes(chain_hash, "chain_hash")
+    cumulative_raw = digest_to_bytes(cumulative_hash, "cumulative_hash")
+    ids_payload = _tokens_payload(ids)
+    mask_payload = _f32s_payload(float32_be(mask, "token_mask_delta"))
+    logprob_payload = _f32s_payload(float32_be(logprobs, "generation_log_probs_delta"))
+    payload = b"".join(
+        (
+            bytes((schema_version, digest_version, extras_digest_version)),
+            _text(rollout_id),
+            _text(model_call_id),
+            _opt_text(parent_call_id),
+            _text(mode),
+            _u64(prev_len, "prev_len"),
+            _u64(delta_len, "delta_len"),
+            _u64(cum_len, "cum_len"),
+            _u64(weight_version, "weight_version"),
+            _U64.pack(len(ids_payload)),
+            ids_payload,
+            _U64.pack(len(mask_payload)),
+            mask_payload,
+            _U64.pack(len(logprob_payload)),
+            logprob_payload,
+            extras_raw,
+            b"\x01" + chain_raw,
+            b"\x01" + cumulative_raw,
+        )
+    )
+    return hashlib.sha256(CALL_DOMAIN + payload).hexdigest()

@@ -1,0 +1,258 @@
+"""Trainer-side finalization: staged calls of a rollout group → verified training rows.
+
+``RolloutReassembler.finalize_group`` reads every staged call of the group in one batched
+fetch, verifies each rollout against its receipt (digests, parent chain, chain and
+cumulative hashes), linearizes the terminal's ancestry into one row and writes the group
+with ``first_write``. A poisoned or unverifiable rollout becomes a placeholder row with
+``sample_mask = 0`` and its reason code in the row's tags: the group keeps its shape (so
+GRPO baselines stay aligned), nothing is skipped silently, and one bad rollout never fails
+the others.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tq_plugin.data_plane import (
+    GENERATION_LOGPROBS,
+    INPUT_IDS,
+    INPUT_LENGTHS,
+    SAMPLE_MASK,
+    TOKEN_MASK,
+    TOTAL_REWARD,
+    KVBatchMeta,
+    first_write,
+    nested_from_lengths,
+)
+from tq_plugin.staging.media import (
+    MEDIA_IMGS_FIELD,
+    MEDIA_IMGS_SIZES_FIELD,
+    MEDIA_NUM_FRAMES_FIELD,
+    StagedMediaTensors,
+)
+from tq_plugin.staging.rebuild import LinearizedRow, ReceiptVerificationError, verify_and_linearize
+from tq_plugin.staging.records import StagedCallBaseSnapshot
+from tq_plugin.staging.source import FetchedStagedCall, TQTokenSource
+
+logger = logging.getLogger(__name__)
+
+STATUS_TAG = "staging_status"
+STATUS_OK = "ok"
+REASSEMBLED_FIELDS = (INPUT_IDS, INPUT_LENGTHS, TOKEN_MASK, GENERATION_LOGPROBS, SAMPLE_MASK, TOTAL_REWARD)
+REASSEMBLED_MEDIA_FIELDS = (MEDIA_IMGS_FIELD, MEDIA_IMGS_SIZES_FIELD, MEDIA_NUM_FRAMES_FIELD)
+
+
+@dataclass
+class _Outcome:
+    """One rollout's result: a verified row (and its media), or the reason it has none."""
+
+    rollout_id: str
+    status: str = STATUS_OK
+    row: LinearizedRow | None = None
+    media: list[StagedMediaTensors] | None = None
+    reward: float = 0.0
+
+
+def _preflight_status(receipt: Any) -> str | None:
+    """The reason a receipt cannot be trained on without reading anything, if there is one."""
+    if not hasattr(receipt, "manifest") or not hasattr(receipt, "rollout_id"):
+        return "invalid_receipt"
+    if receipt.failure_reason:
+        return "rollout_failed"
+    if receipt.capture_poisoned:
+        return "capture_poisoned"
+    if not receipt.manifest:
+        return "empty_manifest"
+    return None
+
+
+class RolloutReassembler:
+    """Finalize groups of rollouts from a staging partition into a training partition."""
+
+    def __init__(
+        self,
+        dp_client: Any,
+        *,
+        staging_partition: str,
+        capture_media: bool = False,
+        pad_token_id: int = 0,
+        clear_staged: bool = False,
+    ) -> None:
+        self.dp_client = dp_client
+        self.source = TQTokenSource(
+            dp_client,
+            staging_partition=staging_partition,
+            capture_media=capture_media,
+            snapshot_cls=StagedCallBaseSnapshot,
+        )
+        self.capture_media = capture_media
+        self.pad_token_id = pad_token_id
+        self.clear_staged = clear_staged
+
+    def finalize_group(
+        self,
+        receipts: Sequence[Any],
+        *,
+        partition_id: str,
+        sample_ids: Sequence[str] | None = None,
+        task_name: str = "train",
+        pad_to_multiple: int = 1,
+        extra_info: Mapping[str, Any] | None = None,
+    ) -> KVBatchMeta:
+        """Verify, linearize and write one row per receipt (placeholders for failures).
+
+        Sample ids default to each receipt's ``rollout_id``. Row tags carry ``rollout_id``
+        and ``staging_status`` (``"ok"`` or the reason code of the placeholder).
+        """
+        receipts = list(receipts)
+        if not receipts:
+            raise ValueError("finalize_group needs at least one receipt")
+        outcomes = [self._outcome(r, i) for i, r in enumerate(receipts)]
+        live = [i for i, o in enumerate(outcomes) if o.status == STATUS_OK]
+        fetched = self._fetch(receipts, outcomes, live)
+        for i in live:
+            if outcomes[i].status == STATUS_OK:
+                self._verify(receipts[i], outcomes[i], fetched[i])
+        if self.capture_media:
+            self._attach_media(outcomes, fetched)
+        ids = list(sample_ids) if sample_ids is not None else [o.rollout_id for o in outcomes]
+        meta = first_write(
+            self._batch(outcomes),
+            sample_ids=ids,
+            client=self.dp_client,
+            partition_id=partition_id,
+            extra_info=extra_info,
+            task_name=task_name,
+            pad_to_multiple=pad_to_multiple,
+            tags=[{"rollout_id": o.rollout_id, STATUS_TAG: o.status} for o in outcomes],
+        )
+        if self.clear_staged:
+            self.source.store.clear([row.staging_key for i in live for row in receipts[i].manifest])
+        return meta
+
+    def _outcome(self, receipt: Any, index: int) -> _Outcome:
+        status = _preflight_status(receipt)
+        rollout_id = getattr(receipt, "rollout_id", None) or f"rollout-{index}"
+        reward = getattr(receipt, "reward", None)
+        outcome = _Outcome(rollout_id=rollout_id, reward=0.0 if reward is None else float(reward))
+        if status is not None:
+            self._poison(outcome, status, "receipt refused before any read")
+        return outcome
+
+    def _poison(self, outcome: _Outcome, status: str, detail: str) -> None:
+        logger.warning("rollout %s becomes a placeholder row: %s (%s)", outcome.rollout_id, status, detail)
+        outcome.status, outcome.row, outcome.media = status, None, None
+
+    def _fetch(
+        self, receipts: list[Any], outcomes: list[_Outcome], live: list[int]
+    ) -> dict[int, list[FetchedStagedCall]]:
+        """One batched read for the whole group; on failure, per rollout to isolate the bad ones."""
+        keys = {i: [row.staging_key for row in receipts[i].manifest] for i in live}
+        try:
+            flat = self.source.fetch_for_finalization([k for i in live for k in keys[i]])
+        except Exception:
+            flat = None
+        fetched: dict[int, list[FetchedStagedCall]] = {}
+        position = 0
+        for i in live:
+            if flat is not None:
+                fetched[i] = flat[position : position + len(keys[i])]
+                position += len(keys[i])
+                continue
+            try:
+                fetched[i] = self.source.fetch_for_finalization(keys[i])
+            except Exception as exc:
+                self._poison(outcomes[i], "fetch_failed", f"{type(exc).__name__}: {exc}")
+        return fetched
+
+    def _verify(self, receipt: Any, outcome: _Outcome, calls: list[FetchedStagedCall]) -> None:
+        try:
+            outcome.row = verify_and_linearize(receipt, [call.snapshot for call in calls])
+        except ReceiptVerificationError as exc:
+            self._poison(outcome, exc.code, str(exc))
+        except Exception as exc:  # a malformed receipt or snapshot: still one row, never a crash
+            self._poison(outcome, "invalid_snapshot", f"{type(exc).__name__}: {exc}")
+
+    def _attach_media(self, outcomes: list[_Outcome], fetched: dict[int, list[FetchedStagedCall]]) -> None:
+        """Read the chain's media (one read per frames kind) and attach it to each verified row."""
+        wanted: dict[int, list[FetchedStagedCall]] = {}
+        for i, outcome in enumerate(outcomes):
+            if outcome.row is None:
+                continue
+            by_call = {call.snapshot.model_call_id: call for call in fetched[i]}
+            chain = [by_call[c] for c in outcome.row.model_call_ids]
+            wanted[i] = [call for call in chain if call.media_present]
+        bundles: dict[str, StagedMediaTensors] = {}
+        for frames in (False, True):
+            items = [c for calls in wanted.values() for c in calls if c.media_has_frames is frames]
+            try:
+                bundles.update(zip([c.staging_key for c in items], self.source.fetch_media(items)))
+            except Exception as exc:
+                logger.warning("batched media read failed (%s); retrying per rollout", exc)
+                for calls in wanted.values():
+                    mine = [c for c in calls if c.media_has_frames is frames]
+                    try:
+                        bundles.update(zip([c.staging_key for c in mine], self.source.fetch_media(mine)))
+                    except Exception:
+                        continue
+        for i, calls in wanted.items():
+            if all(c.staging_key in bundles for c in calls):
+                outcomes[i].media = [bundles[c.staging_key] for c in calls]
+            else:
+                self._poison(outcomes[i], "media_fetch_failed", "a staged media row could not be read")
+
+    def _batch(self, outcomes: list[_Outcome]) -> dict[str, torch.Tensor]:
+        """The group's columns: jagged per-token rows, per-row scalars, and media when present."""
+        rows = [o.row for o in outcomes]
+
+        def column(attr: str, pad: float | int, dtype: torch.dtype) -> torch.Tensor:
+            parts = [torch.tensor(getattr(r, attr) if r else [pad], dtype=dtype) for r in rows]
+            return nested_from_lengths(torch.cat(parts), lengths)
+
+        lengths = torch.tensor([len(r.token_ids) if r else 1 for r in rows], dtype=torch.int64)
+        batch = {
+            INPUT_IDS: column("token_ids", self.pad_token_id, torch.int64),
+            TOKEN_MASK: column("token_mask", 0.0, torch.float32),
+            GENERATION_LOGPROBS: column("logprobs", 0.0, torch.float32),
+            INPUT_LENGTHS: lengths,
+            SAMPLE_MASK: torch.tensor([1.0 if r else 0.0 for r in rows], dtype=torch.float32),
+            TOTAL_REWARD: torch.tensor([o.reward if o.row else 0.0 for o in outcomes], dtype=torch.float32),
+        }
+        if any(o.media for o in outcomes):
+            batch.update(_media_batch(outcomes))
+        return batch
+
+
+def _media_batch(outcomes: list[_Outcome]) -> dict[str, torch.Tensor]:
+    """Each row's chain media concatenated: patches ``[P_i, F]``, sizes ``[n_i, 2]``, and frame
+    counts ``[v_i]`` in which a still image counts as a one-frame item (so the counts always
+    partition the sizes). Rows without media hold zero-length rows."""
+    reference = next(m for o in outcomes if o.media for m in o.media)
+    features, pixel_dtype = reference.imgs.shape[-1], reference.imgs.dtype
+    imgs, sizes, frames = [], [], []
+    for o in outcomes:
+        media = o.media or []
+        imgs.append(torch.cat([m.imgs[0] for m in media]) if media else torch.zeros(0, features, dtype=pixel_dtype))
+        sizes.append(
+            torch.cat([m.imgs_sizes.to(torch.int32) for m in media]) if media else torch.zeros(0, 2, dtype=torch.int32)
+        )
+        counts = [
+            m.num_frames.to(torch.int32) if m.num_frames is not None else torch.ones(m.imgs_sizes.shape[0], dtype=torch.int32)
+            for m in media
+        ]
+        frames.append(torch.cat(counts) if counts else torch.zeros(0, dtype=torch.int32))
+    return {
+        MEDIA_IMGS_FIELD: _jagged(imgs),
+        MEDIA_IMGS_SIZES_FIELD: _jagged(sizes),
+        MEDIA_NUM_FRAMES_FIELD: _jagged(frames),
+    }
+
+
+def _jagged(rows: list[torch.Tensor]) -> torch.Tensor:
+    lengths = torch.tensor([r.shape[0] for r in rows], dtype=torch.int64)
+    return nested_from_lengths(torch.cat(rows), lengths)

@@ -1,0 +1,323 @@
+"""Wire records of the staging protocol (schema 2, digest 2, extras digest 1).
+
+Pydantic v2 models with the reference's fields, validators and error wording, so a record
+built here and one built by NeMo-Gym 0.7.0 carry the same digest and reject the same
+inputs. Records are not frozen, and ``model_copy(update=...)`` bypasses validation (tests
+use that to build tampered snapshots); the verifier re-checks everything it relies on.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, model_validator
+
+from tq_plugin.staging.digest import (
+    EMPTY_EXTRAS_DIGEST,
+    compute_extras_digest,
+    compute_staging_digest,
+)
+
+Identifier = Annotated[str, Field(strict=True, min_length=1)]
+NonNegativeInt = Annotated[int, Field(strict=True, ge=0)]
+DigestHex = Annotated[str, Field(strict=True, pattern=r"^[0-9a-f]{64}$")]
+CaptureMode = Literal["token_in", "text"]
+CaptureDisposition = Literal["staged", "capture_failed"]
+TerminalSelectionMethod = Literal["declared", "response_id", "content", "heuristic"]
+
+
+def staging_key(rollout_id: str, model_call_id: str) -> str:
+    """The default staging key ``"<rollout_id>/<model_call_id>"`` (keys are opaque to readers)."""
+    if not rollout_id or not model_call_id:
+        raise ValueError("rollout_id and model_call_id must be non-empty")
+    return f"{rollout_id}/{model_call_id}"
+
+
+class _WireModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    schema_version: Literal[2] = 2
+
+
+class _DigestWireModel(_WireModel):
+    digest_version: Literal[2] = 2
+    extras_digest_version: Literal[1] = 1
+
+
+class CaptureAdmission(_WireModel):
+    """Gate-to-worker contract for one model call: its identity and the prefix it must start with.
+
+    The prefix travels inline (``required_prefix_token_ids``) or as a root-first
+    ``staging_chain`` of staged keys whose deltas concatenate to it.
+    """
+
+    rollout_id: Identifier
+    model_call_id: Identifier
+    parent_call_id: Identifier | None = None
+    prev_len: NonNegativeInt = 0
+    mode: CaptureMode
+    required_prefix_token_ids: list[StrictInt] = Field(default_factory=list)
+    staging_chain: list[str] = Field(default_factory=list)
+    parent_chain_hash: DigestHex | None = None
+
+    @model_validator(mode="after")
+    def _check_admission(self) -> CaptureAdmission:
+        if self.required_prefix_token_ids and min(self.required_prefix_token_ids) < 0:
+            raise ValueError("required_prefix_token_ids must be non-negative")
+        if self.mode == "token_in":
+            if self.parent_call_id is None or self.prev_len == 0:
+                raise ValueError("token_in admission requires a parent_call_id and prev_len > 0")
+            if self.parent_chain_hash is None:
+                raise ValueError("token_in admission requires the parent's chain hash")
+            if not self.staging_chain and len(self.required_prefix_token_ids) != self.prev_len:
+                raise ValueError("required_prefix_token_ids length must equal prev_len")
+        elif (
+            self.parent_call_id is not None
+            or self.prev_len != 0
+            or self.required_prefix_token_ids
+            or self.staging_chain
+            or self.parent_chain_hash is not None
+        ):
+            raise ValueError("text admission must be a parentless root with no required prefix")
+        return self
+
+
+def _digest_fields(record: Any) -> dict[str, Any]:
+    """The keyword arguments of ``compute_staging_digest`` read off any snapshot-shaped object."""
+    return {
+        "schema_version": record.schema_version,
+        "digest_version": record.digest_version,
+        "extras_digest_version": record.extras_digest_version,
+        "rollout_id": record.rollout_id,
+        "model_call_id": record.model_call_id,
+        "parent_call_id": record.parent_call_id,
+        "mode": record.mode,
+        "prev_len": record.prev_len,
+        "delta_len": record.delta_len,
+        "cum_len": record.cum_len,
+        "weight_version": record.weight_version,
+        "token_ids_delta": record.token_ids_delta,
+        "token_mask_delta": record.token_mask_delta,
+        "generation_log_probs_delta": record.generation_log_probs_delta,
+        "extras_digest": record.extras_digest,
+        "chain_hash": record.chain_hash,
+        "cumulative_hash": record.cumulative_hash,
+    }
+
+
+def recompute_digest(record: Any) -> str:
+    """Recompute a snapshot's (ours or Gym's) staging digest from its fields."""
+    return compute_staging_digest(**_digest_fields(record))
+
+
+class StagedCallBaseSnapshot(_DigestWireModel):
+    """One staged call's token columns and receipt identity, without extras.
+
+    Construction recomputes the digest, so a validated snapshot's columns are the bytes
+    its digest vouches for. Ancestry (chain and cumulative hashes, mask order) needs the
+    other calls and is the verifier's job.
+    """
+
+    rollout_id: Identifier
+    model_call_id: Identifier
+    parent_call_id: Identifier | None = None
+    mode: CaptureMode
+    prev_len: NonNegativeInt
+    delta_len: NonNegativeInt
+    cum_len: NonNegativeInt
+    weight_version: NonNegativeInt
+    digest: DigestHex
+    token_ids_delta: list[StrictInt]
+    token_mask_delta: list[StrictFloat]
+    generation_log_probs_delta: list[StrictFloat]
+    extras_digest: DigestHex = EMPTY_EXTRAS_DIGEST
+    chain_hash: DigestHex
+    cumulative_hash: DigestHex
+
+    @property
+    def staging_key(self) -> str:
+        return staging_key(self.rollout_id, self.model_call_id)
+
+    @model_validator(mode="after")
+    def _check_snapshot(self) -> StagedCallBaseSnapshot:
+        if self.parent_call_id is None and self.prev_len != 0:
+            raise ValueError("a parentless staged call must have prev_len == 0")
+        if self.parent_call_id is not None and self.prev_len == 0:
+            raise ValueError("a child staged call must have prev_len > 0")
+        if self.parent_call_id is None and self.mode != "text":
+            raise ValueError("a parentless staged call must use text mode")
+        if self.parent_call_id is not None and self.mode != "token_in":
+            raise ValueError("a child staged call must use token_in mode")
+        if self.delta_len == 0:
+            raise ValueError("a staged call delta must contain at least one token")
+        if self.token_ids_delta and min(self.token_ids_delta) < 0:
+            raise ValueError("token_ids_delta must be non-negative")
+        mask = np.asarray(self.token_mask_delta, dtype=np.float64)
+        logprobs = np.asarray(self.generation_log_probs_delta, dtype=np.float64)
+        if not ((mask == 0.0) | (mask == 1.0)).all():
+            raise ValueError("token_mask_delta must contain only 0.0 or 1.0")
+        if mask.size == logprobs.size and (logprobs[mask == 0.0] != 0.0).any():
+            raise ValueError("prompt-carry log probabilities must be 0.0")
+        fields = _digest_fields(self)
+        fields["token_mask_delta"] = mask
+        fields["generation_log_probs_delta"] = logprobs
+        if compute_staging_digest(**fields) != self.digest:
+            raise ValueError("digest does not match staged call contents")
+        return self
+
+
+class StagedCallRecord(StagedCallBaseSnapshot):
+    """What a sink receives: a base snapshot plus the extras its ``extras_digest`` commits to."""
+
+    extras: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_extras(self) -> StagedCallRecord:
+        if compute_extras_digest(self.extras) != self.extras_digest:
+            raise ValueError("extras_digest does not match extras")
+        return self
+
+    def to_base_snapshot(self) -> StagedCallBaseSnapshot:
+        return StagedCallBaseSnapshot.model_validate(self.model_dump(exclude={"extras"}))
+
+
+class StagedCallSnapshot(StagedCallRecord):
+    """Legacy: the exact staged record as a source once returned it (sources now return base rows)."""
+
+
+class StageResult(_WireModel):
+    """A sink's durability answer: ``ok`` with the authoritative staging key, or an error."""
+
+    ok: bool
+    staging_key: Identifier | None = None
+    error: str | None = None
+
+    @model_validator(mode="after")
+    def _check_result(self) -> StageResult:
+        if self.ok and self.staging_key is None:
+            raise ValueError("a successful stage result requires staging_key")
+        if not self.ok and not self.error:
+            raise ValueError("a failed stage result requires an error")
+        return self
+
+
+class CommitCoords(_DigestWireModel):
+    """The token-light acknowledgement a worker returns for one call (staged or capture_failed)."""
+
+    rollout_id: Identifier
+    model_call_id: Identifier
+    parent_call_id: Identifier | None = None
+    prev_len: NonNegativeInt
+    delta_len: NonNegativeInt
+    cum_len: NonNegativeInt
+    weight_version: NonNegativeInt
+    disposition: CaptureDisposition = "staged"
+    digest: DigestHex | None = None
+    extras_digest: DigestHex | None = None
+    staging_key: Identifier | None = None
+    chain_hash: DigestHex | None = None
+    cumulative_hash: DigestHex | None = None
+
+    @model_validator(mode="after")
+    def _check_coords(self) -> CommitCoords:
+        if self.parent_call_id is None and self.prev_len != 0:
+            raise ValueError("parentless coordinates must have prev_len == 0")
+        if self.parent_call_id is not None and self.prev_len == 0:
+            raise ValueError("child coordinates must have prev_len > 0")
+        if self.cum_len != self.prev_len + self.delta_len:
+            raise ValueError("cum_len must equal prev_len + delta_len")
+        payload = (self.digest, self.extras_digest, self.staging_key, self.chain_hash, self.cumulative_hash)
+        if self.disposition == "staged":
+            if any(value is None for value in payload):
+                raise ValueError(
+                    "staged coordinates require digest, extras_digest, staging_key, "
+                    "chain_hash, and cumulative_hash"
+                )
+            if self.delta_len < 1:
+                raise ValueError("staged coordinates require a non-empty delta")
+        else:
+            if any(value is not None for value in payload):
+                raise ValueError("capture_failed coordinates cannot carry staged payload metadata")
+            if self.delta_len != 0:
+                raise ValueError("capture_failed coordinates cannot carry token deltas")
+        return self
+
+
+class CallRecord(_DigestWireModel):
+    """One token-free manifest row: lineage, lengths, digests and the storage join (staging_key)."""
+
+    model_call_id: Identifier
+    parent_call_id: Identifier | None = None
+    prev_len: NonNegativeInt
+    delta_len: NonNegativeInt
+    cum_len: NonNegativeInt
+    weight_version: NonNegativeInt
+    digest: DigestHex
+    extras_digest: DigestHex
+    staging_key: Identifier
+    mode: CaptureMode = "token_in"
+    chain_hash: DigestHex
+    cumulative_hash: DigestHex
+    response_id: Identifier
+    admitted_at: StrictFloat | None = None
+    output_fingerprint: DigestHex | None = None
+    continuation_fingerprint: DigestHex | None = None
+    fingerprint_version: NonNegativeInt = 0
+
+    @model_validator(mode="after")
+    def _check_row(self) -> CallRecord:
+        if self.delta_len == 0 or self.cum_len != self.prev_len + self.delta_len:
+            raise ValueError("manifest lengths must describe a non-empty contiguous delta")
+        if self.parent_call_id is None and (self.prev_len != 0 or self.mode != "text"):
+            raise ValueError("a parentless manifest row must be a text-mode root with prev_len == 0")
+        if self.parent_call_id is not None and (self.prev_len == 0 or self.mode != "token_in"):
+            raise ValueError("a child manifest row must use token_in mode with prev_len > 0")
+        return self
+
+
+class ManifestFailure(_WireModel):
+    """A poison row: this call's capture failed, so its rollout cannot be trained on."""
+
+    model_call_id: Identifier
+    reason: Identifier
+
+
+class RolloutManifest(_WireModel):
+    rollout_id: Identifier
+    records: list[CallRecord] = Field(default_factory=list)
+    failures: list[ManifestFailure] = Field(default_factory=list)
+
+
+class RolloutReceipt(_DigestWireModel):
+    """The immutable, token-free manifest a framework assembles when a rollout ends."""
+
+    rollout_id: Identifier
+    reward: float | None = None
+    terminal_model_call_id: Identifier | None = None
+    manifest: list[CallRecord] = Field(default_factory=list)
+    capture_poisoned: StrictBool = False
+    failure_reason: str | None = None
+    terminal_selection: TerminalSelectionMethod | None = None
+    terminal_attribution_reason: str | None = None
+
+    @model_validator(mode="after")
+    def _check_receipt(self) -> RolloutReceipt:
+        ids = [row.model_call_id for row in self.manifest]
+        if len(set(ids)) != len(ids):
+            raise ValueError("receipt manifest contains duplicate model_call_id values")
+        if self.terminal_model_call_id is not None and self.terminal_model_call_id not in ids:
+            raise ValueError("terminal_model_call_id is absent from the receipt manifest")
+        if not self.capture_poisoned:
+            if self.failure_reason is not None:
+                raise ValueError("an unpoisoned receipt cannot carry a failure_reason")
+            if self.terminal_model_call_id is None or self.terminal_selection is None:
+                raise ValueError(
+                    "an unpoisoned receipt must name terminal_model_call_id and terminal_selection"
+                )
+        if self.terminal_selection is None:
+            if self.terminal_model_call_id is not None:
+                raise ValueError("terminal_model_call_id requires a terminal_selection method")
+            if not self.failure_reason:
+                raise ValueError("a receipt with no attribution stage must be poisoned with a failure_reason")
+        return self

@@ -1,0 +1,289 @@
+"""``TQTokenSink``: the engine-side ``StagingSink`` over ``put_samples``.
+
+One ``stage`` is one put: the call's token delta, its identity and lineage, every digest
+input, its routes and (on media partitions) its pixels land together or not at all, so the
+staged coordinates a worker acknowledges vouch for tokens and pixels alike.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from tq_plugin.data_plane import (
+    ROUTE_ENCODING_LIST,
+    ROUTE_ENCODING_NONE,
+    ROUTED_EXPERTS_ENCODING_FIELD,
+    ROUTED_EXPERTS_FIELD,
+    ROUTED_EXTRAS_METADATA_FIELD,
+    ROUTED_LEN_FIELD,
+)
+from tq_plugin.staging._gym import gym_record_class
+from tq_plugin.staging.digest import compute_staging_digest, digest_to_bytes, float32_be, float_array
+from tq_plugin.staging.media import (
+    _MEDIA_PIXEL_DTYPES,
+    MEDIA_METADATA_DIGEST_FIELD,
+    _media_columns,
+    _media_sentinels,
+    metadata_checksum,
+    validate_media_tensors,
+)
+from tq_plugin.staging.records import StageResult, _digest_fields, staging_key
+from tq_plugin.staging.store import _MODE_TO_CODE, TQStagingStore
+
+logger = logging.getLogger(__name__)
+
+_INT64_MAX = 2**63 - 1
+_INT16_MIN, _INT16_MAX = -(2**15), 2**15 - 1
+# Scalar columns written from one int64 buffer (one tensor per call, viewed per column).
+_INT_SCALARS = (
+    "schema_version",
+    "digest_version",
+    "extras_digest_version",
+    "capture_mode",
+    "prev_len",
+    "delta_len",
+    "cum_len",
+    "weight_version",
+    ROUTED_EXPERTS_ENCODING_FIELD,
+    ROUTED_LEN_FIELD,
+)
+_BOOL_SCALARS = ("parent_call_id_present", "chain_hash_present", "cumulative_hash_present")
+_DIGEST_COLUMNS = (
+    ("digest_bytes", "digest"),
+    ("extras_digest_bytes", "extras_digest"),
+    ("chain_hash_bytes", "chain_hash"),
+    ("cumulative_hash_bytes", "cumulative_hash"),
+)
+
+
+def _bytes_tensor(value: bytes) -> torch.Tensor:
+    """Non-empty bytes as one ``[1, nbytes]`` uint8 row (stored jagged)."""
+    if not value:
+        raise ValueError("a staged byte column cannot be empty")
+    return torch.frombuffer(bytearray(value), dtype=torch.uint8).reshape(1, -1)
+
+
+def _token_ids_wire(token_ids: Any) -> np.ndarray:
+    """Token ids as the int64 wire column; ids above the int64 range are refused by name."""
+    if isinstance(token_ids, torch.Tensor):
+        token_ids = token_ids.detach().cpu().numpy()
+    if isinstance(token_ids, np.ndarray) and token_ids.dtype == np.uint64 and token_ids.size:
+        if int(token_ids.max()) > _INT64_MAX:
+            token_ids = token_ids.tolist()
+    try:
+        return np.asarray(token_ids, dtype=np.int64)
+    except OverflowError:
+        bad = next(v for v in token_ids if not -_INT64_MAX - 1 <= v <= _INT64_MAX)
+        raise ValueError(
+            f"token_ids_delta holds {bad}, above the int64 range the staging wire stores; "
+            "token ids must be below 2**63"
+        ) from None
+
+
+def extras_metadata_json(extras: Mapping[str, Any] | None) -> bytes:
+    """Canonical JSON of ``extras`` minus ``routed_experts`` (``null`` when extras is None).
+
+    Sorted keys, no whitespace, UTF-8, no NaN: ``1``, ``1.0``, ``true``, ``{}`` and ``null``
+    all decode back to what was staged, so the extras digest re-verifies after a read.
+    """
+    if extras is None:
+        return b"null"
+    metadata = {k: v for k, v in extras.items() if k != ROUTED_EXPERTS_FIELD}
+    text = json.dumps(metadata, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return text.encode("utf-8")
+
+
+def _route_columns(routes: Any, delta_len: int) -> tuple[int, dict[str, torch.Tensor]]:
+    """A delta-aligned ``[delta_len][layers][top_k]`` int list as an int16 route column."""
+    if routes is None:
+        return ROUTE_ENCODING_NONE, {}
+    if isinstance(routes, str):
+        raise ValueError(
+            "routed_experts envelopes (strings) are not supported by this sink; stage "
+            "routes as a delta-aligned [delta_len][num_layers][top_k] list of ints"
+        )
+    try:
+        table = np.asarray(routes, dtype=np.int64)
+    except (OverflowError, ValueError, TypeError) as exc:
+        raise ValueError(f"routed_experts must be a rectangular list of ints: {exc}") from None
+    if table.ndim != 3 or table.shape[0] != delta_len:
+        raise ValueError(
+            f"routed_experts must already be delta-aligned [delta_len={delta_len}, layers, top_k], "
+            f"got shape {table.shape}"
+        )
+    if table.size and (table.min() < _INT16_MIN or table.max() > _INT16_MAX):
+        raise ValueError("routed_experts ids must fit in int16")
+    column = torch.from_numpy(table.astype(np.int16)).unsqueeze(0)
+    return ROUTE_ENCODING_LIST, {ROUTED_EXPERTS_FIELD: column}
+
+
+class TQTokenSink:
+    """Gym ``StagingSink`` over ``put_samples``.
+
+    ``stage`` is synchronous and returns only after the store acknowledged the write, so a
+    capture layer's fail-closed ordering (bytes durable before the model call is acked)
+    holds by construction. It is thread-safe: it keeps no per-call mutable state, so a
+    capture host may stage unrelated calls concurrently. It never raises: failures come
+    back as ``StageResult(ok=False, error=...)`` and the finalizer turns the poisoned
+    rollout into a placeholder row.
+
+    ``capture_media`` mirrors the partition's schema: a media-enabled partition registers
+    the media columns and every row written here carries them (flags False and sentinels
+    for text calls); a text-only partition rejects attachments outright.
+    """
+
+    def __init__(
+        self,
+        dp_client: Any,
+        *,
+        staging_partition: str,
+        capture_media: bool = False,
+        media_pixel_dtype: torch.dtype | None = None,
+    ) -> None:
+        if capture_media and media_pixel_dtype not in _MEDIA_PIXEL_DTYPES:
+            raise ValueError(
+                "capture_media=True needs media_pixel_dtype, the staging column's pixel dtype "
+                f"(one of {list(_MEDIA_PIXEL_DTYPES)}), got {media_pixel_dtype}"
+            )
+        self.store = TQStagingStore(dp_client, staging_partition=staging_partition)
+        self.staging_partition = staging_partition
+        self.capture_media = capture_media
+        self.media_pixel_dtype = media_pixel_dtype
+        self._sentinels = _media_sentinels(media_pixel_dtype) if capture_media else {}
+
+    def stage(self, record: Any, *, attachments: Mapping[str, Any] | None = None) -> Any:
+        """Write the token row and its media attachments in one put.
+
+        Success is returned only after the combined write was acknowledged. The store has
+        no transactional rollback: if the write raises, the attempted key is discarded
+        best-effort before the failure is reported (see ``_discard_failed_write``).
+        """
+        key: str | None = None
+        write_started = False
+        try:
+            key = staging_key(record.rollout_id, record.model_call_id)
+            fields, tags = self._row(record, attachments)
+            write_started = True
+            self.store.put(key, fields, tags=tags)
+        except Exception as exc:  # stage never raises: the result carries the failure
+            error = f"{type(exc).__name__}: {exc}"
+            logger.warning("TQTokenSink.stage failed for %s: %s", key, error)
+            if write_started and key is not None:
+                self._discard_failed_write(key)
+            return _result(ok=False, staging_key=key, error=error)
+        return _result(ok=True, staging_key=key)
+
+    def _row(
+        self, record: Any, attachments: Mapping[str, Any] | None
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Validate a record (ours or Gym's, read by attribute) and encode its row."""
+        if attachments is not None and not self.capture_media:
+            raise ValueError("media attachments require a media-enabled staging partition")
+        media = validate_media_tensors(attachments)
+        if media is not None and media.imgs.dtype != self.media_pixel_dtype:
+            raise ValueError(
+                f"media 'imgs' dtype {media.imgs.dtype} does not match the staging column dtype "
+                f"{self.media_pixel_dtype}"
+            )
+        ids = _token_ids_wire(record.token_ids_delta)
+        mask = float32_be(float_array(record.token_mask_delta, "token_mask_delta"), "token_mask_delta")
+        logprobs = float32_be(
+            float_array(record.generation_log_probs_delta, "generation_log_probs_delta"),
+            "generation_log_probs_delta",
+        )
+        wire = _digest_fields(record)
+        wire.update(token_ids_delta=ids, token_mask_delta=mask, generation_log_probs_delta=logprobs)
+        if compute_staging_digest(**wire) != record.digest:
+            raise ValueError("digest does not match staged call contents")
+        extras = record.extras if hasattr(record, "extras") else None
+        routes = None if extras is None else extras.get(ROUTED_EXPERTS_FIELD)
+        encoding, route_columns = _route_columns(routes, int(ids.size))
+        metadata = extras_metadata_json(extras)
+        parent = record.parent_call_id
+        scalars = torch.tensor(
+            [
+                record.schema_version,
+                record.digest_version,
+                record.extras_digest_version,
+                _MODE_TO_CODE[record.mode],
+                record.prev_len,
+                record.delta_len,
+                record.cum_len,
+                record.weight_version,
+                encoding,
+                int(ids.size) if route_columns else 0,
+            ],
+            dtype=torch.int64,
+        )
+        digests = b"".join(digest_to_bytes(getattr(record, attr), attr) for _, attr in _DIGEST_COLUMNS)
+        digest_rows = torch.frombuffer(bytearray(digests), dtype=torch.uint8).reshape(4, 1, 32)
+        flags = torch.tensor([parent is not None, True, True])
+        fields: dict[str, torch.Tensor] = {
+            "token_ids_delta": torch.from_numpy(ids).reshape(1, -1),
+            "token_mask_delta": torch.from_numpy(mask.astype(np.float32)).reshape(1, -1),
+            "generation_logprobs_delta": torch.from_numpy(logprobs.astype(np.float32)).reshape(1, -1),
+            "rollout_id_utf8": _bytes_tensor(record.rollout_id.encode("utf-8")),
+            "model_call_id_utf8": _bytes_tensor(record.model_call_id.encode("utf-8")),
+            "parent_call_id_utf8": _bytes_tensor(b"\0" if parent is None else parent.encode("utf-8")),
+            ROUTED_EXTRAS_METADATA_FIELD: _bytes_tensor(metadata),
+        }
+        for i, name in enumerate(_INT_SCALARS):
+            fields[name] = scalars[i : i + 1]
+        for i, name in enumerate(_BOOL_SCALARS):
+            fields[name] = flags[i : i + 1]
+        for i, (name, _) in enumerate(_DIGEST_COLUMNS):
+            fields[name] = digest_rows[i]
+        fields.update(route_columns)
+        if self.capture_media:
+            fields.update(_media_columns(media, self._sentinels))
+            fields[MEDIA_METADATA_DIGEST_FIELD] = metadata_checksum(metadata)
+        tags = {
+            "rollout_id": record.rollout_id,
+            "model_call_id": record.model_call_id,
+            "parent_call_id": parent,
+            "prev_len": record.prev_len,
+            "delta_len": record.delta_len,
+            "cum_len": record.cum_len,
+            "weight_version": record.weight_version,
+            "digest": record.digest,
+            "schema_version": record.schema_version,
+        }
+        return fields, tags
+
+    def _discard_failed_write(self, key: str) -> None:
+        """Reclaim whatever a failed combined write may have left behind.
+
+        A backend may write field by field before it publishes a row, so a raise mid-write
+        can leave partial field keys with no logical row. Failed coordinates carry no
+        staging key, so the finalizer never learns this key: the sink is the only owner
+        able to clean it. Clearing is idempotent; if it fails too, the storage state is
+        uncertain and is logged at ERROR for the operator. The stage is reported failed
+        either way.
+        """
+        try:
+            self.store.clear([key])
+        except Exception as exc:
+            logger.error(
+                "TQTokenSink could not discard the failed write of %s (%s: %s); the staging "
+                "partition %r may retain orphaned field keys",
+                key,
+                type(exc).__name__,
+                exc,
+                self.staging_partition,
+            )
+
+    def clear(self, staging_keys: list[str]) -> None:
+        """Drop staged rows (finalizer / eviction cleanup)."""
+        self.store.clear(staging_keys)
+
+
+def _result(**kwargs: Any) -> Any:
+    """A ``StageResult``: Gym's own class when Gym is in use in this process, else ours."""
+    cls = gym_record_class("StageResult") or StageResult
+    return cls(**kwargs)

@@ -1,0 +1,342 @@
+"""``TQTokenSource``: the trainer-side ``StagingSource`` over ``get_samples``.
+
+Every read is one batched ``get_samples`` in request order. Jagged columns are split by
+their offsets once per batch (never a nested-tensor index per row), and each row becomes a
+normally validated base snapshot, whose construction recomputes the digest over the exact
+float32 values read. A missing, duplicate or mismatched row raises ``KeyError``: the
+finalizer maps it to a placeholder, never a silent short read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+
+from tq_plugin.data_plane import (
+    ROUTE_ENCODING_LIST,
+    ROUTE_ENCODING_NONE,
+    ROUTED_EXPERTS_ENCODING_FIELD,
+    ROUTED_EXPERTS_FIELD,
+    ROUTED_EXTRAS_METADATA_FIELD,
+    ROUTED_LEN_FIELD,
+)
+from tq_plugin.staging._gym import gym_record_class
+from tq_plugin.staging.digest import compute_extras_digest
+from tq_plugin.staging.media import (
+    MEDIA_HAS_FRAMES_FIELD,
+    MEDIA_IMGS_FIELD,
+    MEDIA_IMGS_SIZES_FIELD,
+    MEDIA_METADATA_DIGEST_FIELD,
+    MEDIA_METADATA_FIELDS,
+    MEDIA_NUM_FRAMES_FIELD,
+    MEDIA_PATCH_SIZE_FIELD,
+    MEDIA_PRESENT_FIELD,
+    MEDIA_READ_FIELDS,
+    MediaMetadataIntegrityError,
+    StagedMediaTensors,
+    media_from_row,
+)
+from tq_plugin.staging.records import StagedCallBaseSnapshot, staging_key
+from tq_plugin.staging.store import _CODE_TO_MODE, STAGING_FIELDS, TOKEN_IDS_DELTA_FIELD, TQStagingStore
+
+_DIGEST_HEX_FIELDS = (
+    ("digest", "digest_bytes", None),
+    ("extras_digest", "extras_digest_bytes", None),
+    ("chain_hash", "chain_hash_bytes", "chain_hash_present"),
+    ("cumulative_hash", "cumulative_hash_bytes", "cumulative_hash_present"),
+)
+_INT_FIELDS = ("schema_version", "digest_version", "extras_digest_version", "prev_len", "delta_len", "cum_len", "weight_version")
+_ROUTE_ENCODINGS = (ROUTE_ENCODING_NONE, 1, ROUTE_ENCODING_LIST)
+_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class RouteFragment:
+    """One call's staged routed-experts payload, carried beside (never inside) its snapshot.
+
+    ``routes`` is ``[delta_len, num_layers, top_k]``. ``verify`` rebuilds the call's full
+    extras from the metadata JSON plus the routes and checks them against the snapshot's
+    ``extras_digest`` at the point of use.
+    """
+
+    routes: torch.Tensor
+    encoding: int
+    extras_metadata_json: bytes
+
+    def extras(self) -> dict[str, Any]:
+        metadata = json.loads(self.extras_metadata_json.decode("utf-8"))
+        return {**(metadata or {}), ROUTED_EXPERTS_FIELD: self.routes.tolist()}
+
+    def verify(self, extras_digest: str) -> None:
+        if compute_extras_digest(self.extras()) != extras_digest:
+            raise ValueError("routed_experts fragment does not match the call's extras_digest")
+
+
+@dataclass(frozen=True)
+class FetchedStagedCall:
+    """One explicitly identified finalization fetch result.
+
+    ``fragment`` is set only when route payloads were requested (direct mode); deferred
+    finalization leaves route bytes in the store and carries only ``routed_len``.
+    ``extras`` is the row's metadata (extras minus routes); for route-free calls it
+    re-verifies against the snapshot's ``extras_digest``.
+    """
+
+    staging_key: str
+    snapshot: Any
+    routed_len: int
+    fragment: RouteFragment | None = None
+    extras: dict[str, Any] | None = None
+    media_present: bool = False
+    media_has_frames: bool = False
+
+
+class _Batch:
+    """A batched read split into per-row Python values, one conversion per column."""
+
+    def __init__(self, td: TensorDictBase) -> None:
+        self.td = td
+        self.n = int(td.batch_size[0]) if len(td.batch_size) else 0
+        self._cache: dict[str, Any] = {}
+
+    def rows(self, name: str) -> list[torch.Tensor]:
+        """Each row's tensor (jagged columns split by offsets; dense ones by row)."""
+        if name not in self._cache:
+            value = self.td.get(name)
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"staged column {name!r} is {type(value).__name__}, not a tensor")
+            if value.is_nested:
+                bounds = value.offsets().tolist()
+                values = value.values()
+                self._cache[name] = [values[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+            else:
+                self._cache[name] = list(value.unbind(0))
+        return self._cache[name]
+
+    def ints(self, name: str) -> list[int]:
+        """One integer scalar per row, type-checked."""
+        key = ("ints", name)
+        if key not in self._cache:
+            value = self.td.get(name)
+            if value.is_nested or value.dtype not in _INT_DTYPES:
+                raise TypeError(f"staged scalar {name!r} must be an integer tensor, got {value.dtype}")
+            if value.numel() != self.n:
+                raise ValueError(f"staged scalar {name!r} must hold one element per row")
+            self._cache[key] = value.reshape(-1).tolist()
+        return self._cache[key]
+
+    def bools(self, name: str) -> list[bool]:
+        """One bool flag per row, type-checked."""
+        key = ("bools", name)
+        if key not in self._cache:
+            value = self.td.get(name)
+            if value.is_nested or value.dtype != torch.bool:
+                raise TypeError(f"staged flag {name!r} must be a bool tensor, got {value.dtype}")
+            if value.numel() != self.n:
+                raise ValueError(f"staged flag {name!r} must hold one element per row")
+            self._cache[key] = value.reshape(-1).tolist()
+        return self._cache[key]
+
+    def texts(self, name: str) -> list[bytes]:
+        """Each row of a uint8 column as bytes."""
+        key = ("texts", name)
+        if key not in self._cache:
+            self._cache[key] = [row.numpy().tobytes() for row in self.rows(name)]
+        return self._cache[key]
+
+
+def _snapshot_fields(batch: _Batch, i: int) -> dict[str, Any]:
+    """Row i's snapshot fields; digests must be 32 bytes, ``parent`` decoded only when present."""
+    out: dict[str, Any] = {name: batch.ints(name)[i] for name in _INT_FIELDS}
+    code = batch.ints("capture_mode")[i]
+    if code not in _CODE_TO_MODE:
+        raise ValueError(f"unknown capture_mode code {code}")
+    out["mode"] = _CODE_TO_MODE[code]
+    out["rollout_id"] = batch.texts("rollout_id_utf8")[i].decode("utf-8")
+    out["model_call_id"] = batch.texts("model_call_id_utf8")[i].decode("utf-8")
+    parent_present = batch.bools("parent_call_id_present")[i]
+    out["parent_call_id"] = batch.texts("parent_call_id_utf8")[i].decode("utf-8") if parent_present else None
+    for attr, column, flag in _DIGEST_HEX_FIELDS:
+        raw = batch.rows(column)[i]
+        if raw.dtype != torch.uint8 or raw.numel() != 32:
+            raise ValueError(f"staged {column!r} must be 32 bytes, got {raw.numel()} {raw.dtype}")
+        present = True if flag is None else batch.bools(flag)[i]
+        out[attr] = raw.numpy().tobytes().hex() if present else None
+    out["token_ids_delta"] = batch.rows(TOKEN_IDS_DELTA_FIELD)[i].tolist()
+    out["token_mask_delta"] = batch.rows("token_mask_delta")[i].tolist()
+    out["generation_log_probs_delta"] = batch.rows("generation_logprobs_delta")[i].tolist()
+    return out
+
+
+def _row_extras(batch: _Batch, i: int, *, verify_media: bool) -> dict[str, Any] | None:
+    """Decode the row's metadata JSON, checking the media checksum first on media partitions."""
+    metadata = batch.texts(ROUTED_EXTRAS_METADATA_FIELD)[i]
+    if verify_media:
+        if MEDIA_METADATA_DIGEST_FIELD not in batch.td.keys():
+            raise MediaMetadataIntegrityError("Missing media metadata checksum")
+        checksum = batch.rows(MEDIA_METADATA_DIGEST_FIELD)[i]
+        if (
+            checksum.dtype != torch.uint8
+            or checksum.numel() != 32
+            or checksum.numpy().tobytes() != hashlib.sha256(metadata).digest()
+        ):
+            raise MediaMetadataIntegrityError("Media metadata checksum mismatch")
+    value = json.loads(metadata.decode("utf-8"))
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"staged extras metadata must be a JSON object or null, got {type(value).__name__}")
+    return value
+
+
+class TQTokenSource:
+    """Gym ``StagingSource`` over ``get_samples``.
+
+    Snapshots are built with ``snapshot_cls``: by default Gym's own
+    ``StagedCallBaseSnapshot`` when ``nemo_gym`` is in use in this process (Gym's verifier
+    checks the class), else ours. Route payloads never ride inside snapshots.
+    """
+
+    def __init__(
+        self,
+        dp_client: Any,
+        *,
+        staging_partition: str,
+        capture_media: bool = False,
+        snapshot_cls: type[Any] | None = None,
+    ) -> None:
+        self.store = TQStagingStore(dp_client, staging_partition=staging_partition)
+        self.staging_partition = staging_partition
+        self.capture_media = capture_media
+        self.snapshot_cls = snapshot_cls
+
+    def _snapshot_cls(self) -> type[Any]:
+        return self.snapshot_cls or gym_record_class("StagedCallBaseSnapshot") or StagedCallBaseSnapshot
+
+    def _read(self, keys: list[str], select: list[str], what: str) -> _Batch:
+        try:
+            td = self.store.get(keys, select_fields=select)
+        except Exception as exc:
+            raise KeyError(
+                f"{what}: staged rows for {len(keys)} keys could not be fetched from "
+                f"{self.staging_partition!r}: {type(exc).__name__}: {exc}"
+            ) from exc
+        batch = _Batch(td)
+        if batch.n != len(keys):
+            raise KeyError(f"{what}: staged rows missing: requested {len(keys)}, got {batch.n}")
+        return batch
+
+    def fetch(self, staging_keys: list[str]) -> list[Any]:
+        """Base snapshots only, one per key, in order (Gym ``StagingSource`` conformance)."""
+        return [item.snapshot for item in self.fetch_for_finalization(staging_keys)]
+
+    def fetch_prefix_token_ids(self, staging_keys: Sequence[str]) -> list[int]:
+        """The chain's ``token_ids_delta`` concatenated in request order, as Python ints."""
+        keys = list(staging_keys)
+        if not keys:
+            return []
+        if len(set(keys)) != len(keys):
+            raise KeyError("prefix fetch: staging_keys contains duplicates")
+        batch = self._read(keys, [TOKEN_IDS_DELTA_FIELD], "prefix fetch incomplete")
+        value = batch.td.get(TOKEN_IDS_DELTA_FIELD)
+        return (value.values() if value.is_nested else value.reshape(-1)).tolist()
+
+    def fetch_for_finalization(
+        self, staging_keys: Sequence[str], *, include_route_fragments: bool = False
+    ) -> list[FetchedStagedCall]:
+        """Fetch the digest-covered base columns, plus route payloads when requested.
+
+        Deferred mode (the default) never selects ``routed_experts``. Direct mode tries the
+        route column in the same read; a store's field check is all-or-nothing per batch,
+        so on failure the batch falls back to the base selection as a whole.
+        """
+        keys = list(staging_keys)
+        if not keys:
+            return []
+        if len(set(keys)) != len(keys):
+            raise KeyError("finalization staging request contains duplicate keys")
+        select = list(STAGING_FIELDS) + (MEDIA_METADATA_FIELDS if self.capture_media else [])
+        batch = None
+        if include_route_fragments:
+            try:
+                batch = self._read(keys, [*select, ROUTED_EXPERTS_FIELD], "finalization")
+            except KeyError:
+                batch = None
+        if batch is None:
+            batch = self._read(keys, select, "finalization")
+        return [self._fetched(batch, i, key, include_route_fragments) for i, key in enumerate(keys)]
+
+    def _fetched(self, batch: _Batch, i: int, key: str, with_routes: bool) -> FetchedStagedCall:
+        snapshot = self._snapshot_cls()(**_snapshot_fields(batch, i))
+        if staging_key(snapshot.rollout_id, snapshot.model_call_id) != key:
+            raise KeyError(
+                f"staged row identity mismatch: requested {key!r}, the row holds "
+                f"{snapshot.rollout_id!r}/{snapshot.model_call_id!r}"
+            )
+        present = has_frames = False
+        if self.capture_media:
+            present = batch.bools(MEDIA_PRESENT_FIELD)[i]
+            has_frames = batch.bools(MEDIA_HAS_FRAMES_FIELD)[i]
+            if has_frames and not present:
+                raise ValueError(f"staged row {key!r} has media frames but no media")
+        encoding = batch.ints(ROUTED_EXPERTS_ENCODING_FIELD)[i]
+        if encoding not in _ROUTE_ENCODINGS:
+            raise ValueError(f"unknown routed_experts_encoding {encoding} in staged row {key!r}")
+        fragment = self._route_fragment(batch, i, encoding) if with_routes else None
+        return FetchedStagedCall(
+            staging_key=key,
+            snapshot=snapshot,
+            routed_len=batch.ints(ROUTED_LEN_FIELD)[i],
+            fragment=fragment,
+            extras=_row_extras(batch, i, verify_media=self.capture_media),
+            media_present=present,
+            media_has_frames=has_frames,
+        )
+
+    def _route_fragment(self, batch: _Batch, i: int, encoding: int) -> RouteFragment | None:
+        if encoding == ROUTE_ENCODING_NONE:
+            return None
+        if ROUTED_EXPERTS_FIELD not in batch.td.keys():
+            raise KeyError("staged row metadata names routed_experts but its field is absent")
+        return RouteFragment(
+            routes=batch.rows(ROUTED_EXPERTS_FIELD)[i],
+            encoding=encoding,
+            extras_metadata_json=batch.texts(ROUTED_EXTRAS_METADATA_FIELD)[i],
+        )
+
+    def fetch_media(self, items: Sequence[FetchedStagedCall]) -> list[StagedMediaTensors]:
+        """One batched read of the media columns for rows known to carry media, in order.
+
+        Items come from ``fetch_for_finalization`` and must all have ``media_present`` and
+        the same ``media_has_frames`` (a sentinel frame count would fail validation beside
+        real ones). These checks run before any read; each row is re-validated after it.
+        """
+        if not self.capture_media:
+            raise ValueError("media reads require a media-enabled staging source")
+        items = list(items)
+        if not items:
+            return []
+        if not all(item.media_present for item in items):
+            raise ValueError("fetch_media only accepts rows with media_present=True")
+        has_frames = {item.media_has_frames for item in items}
+        if len(has_frames) != 1:
+            raise ValueError("fetch_media requires uniform media_has_frames")
+        keys = [item.staging_key for item in items]
+        if len(set(keys)) != len(keys):
+            raise KeyError("media fetch contains duplicate keys")
+        batch = self._read(keys, MEDIA_READ_FIELDS, "media fetch")
+        frames = has_frames.pop()
+        patch_sizes = batch.ints(MEDIA_PATCH_SIZE_FIELD)
+        return [
+            media_from_row(
+                batch.rows(MEDIA_IMGS_FIELD)[i],
+                batch.rows(MEDIA_IMGS_SIZES_FIELD)[i],
+                batch.rows(MEDIA_NUM_FRAMES_FIELD)[i] if frames else None,
+                patch_sizes[i],
+            )
+            for i in range(len(keys))
+        ]
