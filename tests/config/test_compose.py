@@ -1,0 +1,202 @@
+"""Every shipped config group option composes, validates and instantiates (fast tier, no training)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import ConfigCompositionException
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+import tq_plugin
+from tq_plugin.config import PackingConfig, validate_config
+
+CONF = Path(tq_plugin.__file__).parent / "conf"
+GROUPS = ["tq/backend", "tq/staging", "tq/packing", "task", "model", "trainer", "recipe"]
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+CASES = [(g, o) for g in GROUPS for o in _options(g)]
+
+
+@pytest.fixture
+def compose_train(tmp_path):
+    """Compose the recipes' primary config from the installed package, as the entry points do."""
+
+    def _compose(*overrides: str, config_name: str = "train"):
+        GlobalHydra.instance().clear()
+        with initialize_config_module(config_module="tq_plugin.conf", version_base="1.3"):
+            cfg = compose(
+                config_name,
+                overrides=[f"hydra.run.dir={tmp_path}", *overrides],
+                return_hydra_config=True,
+            )
+        HydraConfig().set_config(cfg)
+        return cfg
+
+    yield _compose
+    GlobalHydra.instance().clear()
+
+
+def test_every_group_has_options():
+    assert all(_options(g) for g in GROUPS)
+    assert _options("tq/packing") == ["dynamic_batching", "none", "sequence_packing"]
+    assert _options("tq/staging") == ["media", "text"]
+
+
+@pytest.mark.parametrize(("group", "option"), CASES, ids=[f"{g}={o}" for g, o in CASES])
+def test_option_composes_validates_and_instantiates(compose_train, tmp_path, group, option):
+    cfg = compose_train(f"{group}={option}")
+    typed = validate_config(cfg)
+    node = OmegaConf.select(cfg, group.replace("/", "."))
+    assert HydraConfig.get().runtime.choices[group] == option
+    if group == "tq/backend":
+        from tq_plugin.data_plane import LocalDataPlane
+
+        client = instantiate(node)
+        assert isinstance(client, LocalDataPlane)
+        client.close()
+    elif group == "tq/staging":
+        from tq_plugin.data_plane import LocalDataPlane
+        from tq_plugin.staging import TQTokenSink
+
+        client = LocalDataPlane()
+        sink = instantiate(node)(client)
+        assert isinstance(sink, TQTokenSink)
+        assert sink.capture_media is (option == "media")
+        assert sink.staging_partition in client.list_partitions()
+        client.close()
+    elif group == "tq/packing":
+        packing = instantiate(node)
+        assert isinstance(packing, PackingConfig) and packing.mode == option
+        assert packing == typed["tq.packing"]
+    elif group == "task":
+        task = instantiate(node)
+        assert task.vocab_size > task.num_symbols
+    elif group == "model":
+        from tq_plugin.rl.model import TinyTransformer
+
+        assert isinstance(instantiate(node, vocab_size=16), TinyTransformer)
+    elif group == "trainer":
+        import lightning.pytorch as pl
+
+        trainer = instantiate(node, max_steps=1, enable_progress_bar=False,
+                              default_root_dir=str(tmp_path))
+        assert isinstance(trainer, pl.Trainer)
+        assert Path(trainer.default_root_dir) == tmp_path
+    elif group == "recipe":
+        assert typed["recipe"].algorithm == option
+
+
+@pytest.mark.parametrize("config_name", ["train", "ppo", "grpo"])
+def test_primary_configs_compose(compose_train, config_name):
+    cfg = compose_train(config_name=config_name)
+    typed = validate_config(cfg)
+    assert typed["recipe"].algorithm == ("grpo" if config_name == "grpo" else "ppo")
+    assert "sweep_report" in cfg.hydra.callbacks
+
+
+@pytest.mark.parametrize("packing", ["none", "sequence_packing", "dynamic_batching"])
+def test_swept_keys_apply_to_every_packing_option(compose_train, packing):
+    cfg = compose_train(f"tq/packing={packing}", "tq.packing.train_mb_tokens=2048")
+    packing_cfg = validate_config(cfg)["tq.packing"]
+    assert packing_cfg.train_mb_tokens == 2048
+    assert packing_cfg.mode == packing
+    assert set(OmegaConf.to_container(cfg.tq.packing)) == set(PackingConfig.__dataclass_fields__)
+
+
+def test_packing_host_attributes_feed_the_driver_mixin(compose_train):
+    from tq_plugin.lightning.driver import TQDriverMixin
+
+    packing = instantiate(compose_train("tq/packing=dynamic_batching").tq.packing)
+    host = TQDriverMixin()
+    host.cfg = packing.model_cfg()
+    host.configure_packing(**packing.host_attributes())
+    spa, dba = host._packing_args("train_mb_tokens")
+    assert spa is None and dba["max_tokens_per_microbatch"] == packing.train_mb_tokens
+
+
+# ----------------------------------------------------------------------- bad overrides
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("tq.packing.train_mb_tokens=lots", "tq.packing.train_mb_tokens"),
+        ("tq.packing.use_sequence_packing=maybe", "tq.packing.use_sequence_packing"),
+        ("tq.packing.bogus=1", "Key 'bogus' not in 'PackingConfig'"),
+        ("tq.staging.capture_media=sometimes", "tq.staging.capture_media"),
+        ("model.d_model=wide", "model.d_model"),
+        ("recipe.ppo_epochs=two", "recipe.ppo_epochs"),
+        ("recipe.not_a_knob=3", "Key 'not_a_knob' not in 'RecipeConfig'"),
+        ("tq/packing=greedy", "Could not find 'tq/packing/greedy'"),
+    ],
+)
+def test_bad_override_fails_at_compose_naming_the_key(compose_train, override, message):
+    with pytest.raises(ConfigCompositionException) as err:
+        compose_train(override)
+    assert message in str(err.value) + str(err.value.__cause__)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["tq.packing.use_dynamic_batches=true"],
+         "tq.packing.use_sequence_packing / tq.packing.use_dynamic_batches"),
+        (["tq/packing=none", "tq.packing.layout=packed"], "tq.packing.layout"),
+        (["tq.packing.train_mb_tokens=0"], "tq.packing.train_mb_tokens: must be > 0"),
+        (["tq.staging.media_pixel_dtype=null", "tq/staging=media"], "tq.staging.media_pixel_dtype"),
+        (["recipe.ppo_epochs=0"], "recipe.ppo_epochs: must be > 0"),
+        (["recipe=grpo", "recipe.group_size=1"], "recipe.group_size"),
+        (["model.n_heads=3"], "model.d_model: must be divisible by model.n_heads"),
+        (["task.min_len=9"], "task.min_len"),
+        (["+tq.packing.extra=1"], "tq.packing: unknown key(s) ['extra']"),
+    ],
+)
+def test_cross_field_rules_fail_validation_naming_the_key(compose_train, overrides, message):
+    cfg = compose_train(*overrides)
+    with pytest.raises(ValueError) as err:
+        validate_config(cfg)
+    assert message in str(err.value)
+
+
+def test_both_packing_modes_refused_by_instantiate_too(compose_train):
+    cfg = compose_train("tq.packing.use_dynamic_batches=true")
+    with pytest.raises(Exception, match="mutually exclusive"):
+        instantiate(cfg.tq.packing)
+
+
+def test_unknown_group_silent_string_trap_is_caught(compose_train):
+    # Hydra accepts `+group=option` for a group it does not know and adds a plain string key.
+    cfg = compose_train("+tq/packng=none")
+    assert cfg["tq/packng"] == "none"
+    with pytest.raises(ValueError, match=r"unknown config group\(s\) \['tq/packng'\]"):
+        validate_config(cfg)
+
+
+# ----------------------------------------------------------------------- search-path plugin
+def test_search_path_plugin_is_discovered():
+    from hydra.core.plugins import Plugins
+    from hydra.plugins.search_path_plugin import SearchPathPlugin
+
+    from hydra_plugins.tq_plugin import TQPluginSearchPathPlugin
+
+    assert TQPluginSearchPathPlugin in Plugins.instance().discover(SearchPathPlugin)
+
+
+def test_groups_compose_in_an_app_without_a_config_dir():
+    """Any Hydra app in the environment sees the shipped groups (and their typed schemas)."""
+    GlobalHydra.instance().clear()
+    with initialize(config_path=None, version_base="1.3"):
+        cfg = compose(overrides=["+tq/packing=sequence_packing", "+tq/staging=media",
+                                 "tq.packing.train_mb_tokens=2048"])
+    GlobalHydra.instance().clear()
+    assert cfg.tq.packing.use_sequence_packing is True
+    assert cfg.tq.packing.train_mb_tokens == 2048
+    assert cfg.tq.staging.capture_media is True
+    assert OmegaConf.get_type(cfg.tq.packing) is PackingConfig

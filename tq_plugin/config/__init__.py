@@ -1,0 +1,73 @@
+"""Torch-free configuration: typed schemas, ConfigStore registrations and validation.
+
+Importing this package registers the schemas under ``tq/schema/*`` in Hydra's ConfigStore.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from tq_plugin.config.schema import (
+    SCHEMAS,
+    BackendConfig,
+    ModelConfig,
+    PackingConfig,
+    RecipeConfig,
+    StagingConfig,
+    TaskConfig,
+    TQConfig,
+    register_configs,
+)
+
+__all__ = [
+    "SCHEMAS",
+    "BackendConfig",
+    "ModelConfig",
+    "PackingConfig",
+    "RecipeConfig",
+    "StagingConfig",
+    "TaskConfig",
+    "TQConfig",
+    "register_configs",
+    "validate_config",
+]
+
+
+def _node(cfg: DictConfig, dotted: str) -> Any:
+    return OmegaConf.select(cfg, dotted, default=None)
+
+
+def validate_config(cfg: DictConfig) -> dict[str, Any]:
+    """Check a composed config before anything is built; return the typed sections.
+
+    * A top-level key with a ``/`` in it is an override such as ``+tq/packng=none`` that named a
+      config group Hydra does not know: Hydra silently turns it into a plain string key.
+    * Every schema-backed section present is converted to its dataclass, which runs the
+      cross-field rules (``__post_init__``), e.g. both packing modes enabled.
+
+    Raises ``ValueError`` naming the key and the rule.
+    """
+    stray = [k for k in cfg.keys() if isinstance(k, str) and "/" in k]
+    if stray:
+        known = ", ".join(sorted(SCHEMAS))
+        raise ValueError(
+            f"unknown config group(s) {stray}: Hydra added them as plain keys "
+            f"({', '.join(f'{k}={cfg[k]!r}' for k in stray)}). "
+            f"Known groups: {known}"
+        )
+    typed: dict[str, Any] = {}
+    for group, schema in SCHEMAS.items():
+        dotted = group.replace("/", ".")
+        node = _node(cfg, dotted)
+        if node is None:
+            continue
+        if not isinstance(node, DictConfig):
+            raise ValueError(f"{dotted}: must be a config node, got {node!r}")
+        data = OmegaConf.to_container(node, resolve=True)
+        unknown = sorted(set(data) - {f for f in schema.__dataclass_fields__})
+        if unknown:
+            raise ValueError(f"{dotted}: unknown key(s) {unknown}")
+        typed[dotted] = schema(**data)
+    return typed
