@@ -166,3 +166,49 @@ def test_jaggedize_checks_shapes():
         jaggedize("x", torch.zeros(3), torch.tensor([1, 2]))
     nt = jaggedize("x", torch.arange(6).reshape(2, 3, 1), torch.tensor([1, 3]))
     assert nt.unbind()[1].shape == (3, 1)
+
+
+def test_first_write_carries_dense_multimodal_extras_exactly(client):
+    client.register_partition("train", [])
+    feats = torch.randn(4, 16, 32).to(torch.bfloat16)
+    meta = first_write({**_rollout(), "image_features": feats}, sample_ids=list("abcd"),
+                       client=client, partition_id="train")
+    stamp_global_forward_pad_seqlen(meta, sequence_length_round=64)
+    out = read_columns(client, meta, ["image_features", "input_ids"])
+    assert out["image_features"].dtype == torch.bfloat16
+    assert torch.equal(out["image_features"], feats)  # dim 1 counts patches: never widened
+    assert out["input_ids"].shape == (4, 64)
+
+
+def test_write_columns_accepts_a_tensordict(step):
+    from tensordict import TensorDict
+
+    client, _, meta = step
+    write_columns(client, meta, TensorDict({"baseline": torch.arange(4.0)}, [4]))
+    assert client.get_samples(meta.sample_ids, "train", ["baseline"])["baseline"].tolist() == [0, 1, 2, 3]
+
+
+def test_dynamic_sampling_drops_and_clears_zero_std_groups(client):
+    """Keys are minted once at rollout; a dropped group is cleared, survivors stay readable."""
+    client.register_partition("train", [])
+    n_prompts, group = 3, 2
+    lens = [4, 6, 5, 3, 7, 2]
+    batch = {
+        "input_ids": ragged(lens, torch.int64),
+        "input_lengths": torch.tensor(lens),
+        "sample_mask": torch.ones(6),
+        "total_reward": torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0]),
+    }
+    ids = [f"u{p}_g{i}" for p in range(n_prompts) for i in range(group)]
+    meta = first_write(batch, sample_ids=ids, client=client, partition_id="train")
+    std = batch["total_reward"].view(n_prompts, group).std(1).repeat_interleave(group)
+    meta.stamp_tags({"std": std.tolist()})
+    zero = [i for i, t in enumerate(meta.tags) if t["std"] == 0.0]
+    dropped = meta.subset(zero)
+    kept = meta.drop(zero)
+    client.clear_samples(dropped.sample_ids, "train")
+    assert kept.sample_ids == ["u0_g0", "u0_g1", "u2_g0", "u2_g1"]
+    with pytest.raises(KeyError, match="u1_g0"):
+        client.get_samples(dropped.sample_ids, "train", ["input_ids"])
+    out = read_columns(client, kept, ["input_ids", "total_reward"], layout="jagged")
+    assert [r.shape[0] for r in out["input_ids"].unbind()] == [4, 6, 7, 2]

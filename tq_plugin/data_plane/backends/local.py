@@ -159,8 +159,8 @@ class LocalDataPlane:
         """Write ``fields`` (and ``tags``) for ``sample_ids``: all of it, or nothing."""
         ids = list(sample_ids)
         n = len(ids)
-        bad = [s for s in ids if not isinstance(s, str)]
-        if bad:
+        if not set(map(type, ids)) <= {str}:
+            bad = [s for s in ids if not isinstance(s, str)]
             raise TypeError(f"put_samples: sample_ids must be strings, got {_name_some(bad)}")
         dups = _duplicates(ids)
         if dups:
