@@ -17,6 +17,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch.nested._internal.nested_tensor import NestedTensor
 
+from tq_plugin.data_plane.backends._claims import TaskCursors
 from tq_plugin.data_plane.backends._columns import ColumnSpec, DenseColumn, JaggedColumn
 from tq_plugin.data_plane.client import DataPlaneClosedError, FieldsLike
 from tq_plugin.data_plane.meta import KVBatchMeta
@@ -52,6 +53,8 @@ class _Partition:
     next_slot: int = 0
     columns: dict[str, DenseColumn | JaggedColumn] = field(default_factory=dict)
     tags: dict[str, dict[str, Any]] = field(default_factory=dict)
+    arrival: dict[str, int] = field(default_factory=dict)  # first-put order, for claims
+    consumed: dict[str, set[str]] = field(default_factory=dict)  # task -> claimed ids
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,7 @@ class _Prepared:
     lengths: torch.Tensor | None  # jagged only: [N]
 
 
-class LocalDataPlane:
+class LocalDataPlane(TaskCursors):
     """Embedded keyed columnar store (implements ``DataPlaneClient``).
 
     Partitions must be registered before use. ``fields`` declares the names producers may write
@@ -74,6 +77,8 @@ class LocalDataPlane:
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
+        self._produced = threading.Condition(self._lock)  # notified by every put
+        self._arrivals = 0
         self._partitions: dict[str, _Partition] = {}
         self._closed = False
         self._peak_bytes = 0
@@ -97,6 +102,7 @@ class LocalDataPlane:
         with self._lock:
             self._partitions.clear()
             self._closed = True
+            self._produced.notify_all()  # blocked claims wake up and raise
 
     @property
     def closed(self) -> bool:
@@ -144,6 +150,8 @@ class LocalDataPlane:
             part.jagged.update(jagged)
             part.num_samples = num_samples if num_samples is not None else part.num_samples
             part.consumer_tasks = tuple(consumer_tasks or part.consumer_tasks)
+            for task in part.consumer_tasks:
+                part.consumed.setdefault(task, set())
             part.grpo_group_size = grpo_group_size or part.grpo_group_size
             if enums:
                 part.enums.update({k: list(v) for k, v in enums.items()})
@@ -183,7 +191,12 @@ class LocalDataPlane:
                 if tags is not None:
                     for sid, t in zip(ids, tags):
                         part.tags.setdefault(sid, {}).update(t)
+                for sid in ids:
+                    if sid not in part.arrival:
+                        part.arrival[sid] = self._arrivals
+                        self._arrivals += 1
                 self._peak_bytes = max(self._peak_bytes, self._reserved_bytes())
+                self._produced.notify_all()
         names = [name for name, _ in items]
         return KVBatchMeta(
             partition_id=partition_id,
@@ -375,9 +388,11 @@ class LocalDataPlane:
                 return
             pop = part.slot_of.pop
             slots = [slot for slot in (pop(s, None) for s in sample_ids) if slot is not None]
-            if part.tags:
-                for s in sample_ids:
-                    part.tags.pop(s, None)
+            for s in sample_ids:
+                part.tags.pop(s, None)
+                part.arrival.pop(s, None)
+            for claimed in part.consumed.values():
+                claimed.difference_update(sample_ids)
             if not slots:
                 return
             part.free_slots.extend(slots)

@@ -1,0 +1,121 @@
+"""Task-mediated reads for the embedded backend: per-task claim cursors over a partition.
+
+A consumer task claims rows whose required fields are written, in first-put order, and never
+gets the same row twice (reference: ``claim_meta`` / ``get_data`` / ``check_consumption_status``).
+Mixed into ``LocalDataPlane``, whose lock, condition and partitions it uses.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from tq_plugin.data_plane.meta import KVBatchMeta
+from tq_plugin.data_plane.schema import INPUT_LENGTHS
+
+
+class TaskCursors:
+    _produced: Any
+    _lock: Any
+    _require_open: Any
+    _partition: Any
+    get_samples: Any
+
+    def claim_meta(
+        self,
+        partition_id: str,
+        task_name: str,
+        required_fields: Sequence[str],
+        batch_size: int,
+        dp_rank: int | None = None,
+        blocking: bool = True,
+        timeout_s: float = 60.0,
+    ) -> KVBatchMeta:
+        """Claim up to ``batch_size`` rows whose ``required_fields`` are all written.
+
+        Rows are claimed in first-put order and never handed to the same task twice; they stay
+        readable until cleared. Blocking waits for a producer's put (another thread), and
+        raises ``TimeoutError`` after ``timeout_s``; non-blocking returns an empty meta.
+        ``dp_rank`` is accepted for interface parity and ignored (one process, one cursor).
+        """
+        if batch_size < 1:
+            raise ValueError(f"claim_meta: batch_size must be >= 1, got {batch_size}")
+        required = list(required_fields)
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        with self._produced:
+            while True:
+                self._require_open()
+                part = self._partition(partition_id)
+                if task_name not in part.consumed:
+                    raise KeyError(
+                        f"claim_meta: unknown consumer task {task_name!r} for partition "
+                        f"{partition_id!r}; registered tasks: {sorted(part.consumed)}"
+                    )
+                ids = self._ready(part, task_name, required, batch_size)
+                if ids or not blocking:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"claim_meta: no rows with fields {required} became ready for task "
+                        f"{task_name!r} within {timeout_s}s"
+                    )
+                self._produced.wait(left)
+            part.consumed[task_name].update(ids)
+            lengths = self._column_ints(part, INPUT_LENGTHS, ids)
+            tags = [dict(part.tags.get(s, {})) for s in ids]
+        return KVBatchMeta(
+            partition_id=partition_id,
+            task_name=task_name,
+            sample_ids=ids,
+            fields=required,
+            sequence_lengths=lengths,
+            tags=tags,
+        )
+
+    def _ready(self, part: Any, task: str, required: list[str], limit: int) -> list[str]:
+        claimed = part.consumed[task]
+        candidates = sorted((s for s in part.slot_of if s not in claimed), key=part.arrival.__getitem__)
+        if not candidates or not required:
+            return candidates[:limit]
+        slots = torch.tensor([part.slot_of[s] for s in candidates], dtype=torch.int64)
+        ready = torch.ones(len(candidates), dtype=torch.bool)
+        for name in required:
+            col = part.columns.get(name)
+            if col is None:
+                return []
+            ready &= col.has(slots)
+        picked = torch.nonzero(ready).flatten()[:limit].tolist()
+        return [candidates[i] for i in picked]
+
+    @staticmethod
+    def _column_ints(part: Any, name: str, ids: list[str]) -> list[int] | None:
+        col = part.columns.get(name)
+        if not ids or col is None or col.spec.jagged or col.spec.shape != ():
+            return None
+        slots = torch.tensor([part.slot_of[s] for s in ids], dtype=torch.int64)
+        if not bool(col.has(slots).all()):
+            return None
+        return [int(x) for x in col.read(slots).tolist()]  # type: ignore[union-attr]
+
+    def get_data(self, meta: KVBatchMeta, select_fields: Sequence[str] | None = None) -> TensorDict:
+        """Read a claimed meta's rows: ``select_fields``, else ``meta.fields`` (never "all")."""
+        names = list(select_fields) if select_fields else list(meta.fields or ())
+        if not names:
+            raise ValueError("get_data: pass select_fields or a meta with fields; there is no fetch-all")
+        return self.get_samples(meta.sample_ids, meta.partition_id, names)
+
+    def check_consumption_status(self, partition_id: str, task_names: Sequence[str]) -> bool:
+        """True iff every listed task has claimed every live row of the partition."""
+        with self._lock:
+            self._require_open()
+            part = self._partition(partition_id)
+            for task in task_names:
+                claimed = part.consumed.get(task)
+                if claimed is None or any(s not in claimed for s in part.slot_of):
+                    return False
+            return True
