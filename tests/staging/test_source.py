@@ -1,0 +1,146 @@
+"""TQTokenSource: one batched read, request order, KeyError instead of a short read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tq_plugin.staging import (
+    STAGING_FIELDS,
+    MediaMetadataIntegrityError,
+    StagedCallBaseSnapshot,
+    TQTokenSource,
+)
+
+from .conftest import MEDIA_PARTITION, TEXT_PARTITION
+
+
+@pytest.fixture
+def staged(text_sink, chain):
+    records = chain("r", [([1, 2], [3], [-0.5]), ([4], [5, 6], [-0.125, -0.25]), ([7], [8], [-0.375])],
+                    weight_versions=[1, 1, 2])
+    for record in records:
+        assert text_sink.stage(record).ok
+    return records
+
+
+def test_fetch_returns_base_snapshots_equal_to_the_staged_records(staged, text_source, client) -> None:
+    keys = [r.staging_key for r in staged]
+    snapshots = text_source.fetch(keys)
+    assert [s.model_dump() for s in snapshots] == [r.model_dump(exclude={"extras"}) for r in staged]
+    assert all(type(s) is StagedCallBaseSnapshot and not hasattr(s, "extras") for s in snapshots)
+    assert len(client.of("get_samples")) == 1
+
+
+def test_fetch_follows_request_order(staged, text_source) -> None:
+    keys = ["r/c2", "r/c0", "r/c1"]
+    assert [s.staging_key for s in text_source.fetch(keys)] == keys
+    assert text_source.fetch([]) == []
+
+
+def test_fetch_missing_key_raises_keyerror(staged, text_source) -> None:
+    with pytest.raises(KeyError, match="could not be fetched"):
+        text_source.fetch(["r/c0", "r/nope"])
+
+
+def test_fetch_for_finalization_is_small_typed_and_identity_preserving(staged, text_source, client) -> None:
+    items = text_source.fetch_for_finalization(["r/c1"])
+    assert client.of("get_samples")[0]["select_fields"] == list(STAGING_FIELDS)
+    (item,) = items
+    assert item.staging_key == "r/c1" and item.routed_len == 0 and item.fragment is None
+    assert type(item.snapshot) is StagedCallBaseSnapshot
+
+
+def test_fetch_for_finalization_rejects_duplicate_request_keys(staged, text_source, client) -> None:
+    with pytest.raises(KeyError, match="duplicate keys"):
+        text_source.fetch_for_finalization(["r/c0", "r/c0"])
+    assert client.of("get_samples") == []
+
+
+class _ShortReadClient:
+    """A broken backend that silently drops the last requested row."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def get_samples(self, **kwargs):
+        kwargs["sample_ids"] = kwargs["sample_ids"][:-1]
+        return self.inner.get_samples(**kwargs)
+
+
+def test_a_short_read_is_a_keyerror_never_a_shorter_list(staged, client) -> None:
+    source = TQTokenSource(_ShortReadClient(client), staging_partition=TEXT_PARTITION)
+    with pytest.raises(KeyError, match="staged rows missing"):
+        source.fetch(["r/c0", "r/c1"])
+    with pytest.raises(KeyError, match="prefix fetch incomplete"):
+        source.fetch_prefix_token_ids(["r/c0", "r/c1"])
+
+
+def test_a_row_stored_under_another_key_is_an_identity_mismatch(text_source, client, chain) -> None:
+    (record,) = chain("r", [([1], [2], [-1.0])])
+    from tq_plugin.staging import TQTokenSink
+
+    TQTokenSink(client, staging_partition=TEXT_PARTITION).stage(record)
+    row = client.inner.get_samples(sample_ids=["r/c0"], partition_id=TEXT_PARTITION, select_fields=STAGING_FIELDS)
+    fields = {name: (row[name].values().unsqueeze(0) if row[name].is_nested else row[name]) for name in STAGING_FIELDS}
+    client.inner.put_samples(sample_ids=["r/other"], partition_id=TEXT_PARTITION, fields=fields)
+    with pytest.raises(KeyError, match="identity mismatch"):
+        text_source.fetch(["r/other"])
+
+
+def test_fetch_prefix_token_ids(staged, text_source) -> None:
+    assert text_source.fetch_prefix_token_ids([]) == []
+    assert text_source.fetch_prefix_token_ids(["r/c0"]) == [1, 2, 3]
+    full = text_source.fetch_prefix_token_ids(["r/c0", "r/c1", "r/c2"])
+    assert full == [1, 2, 3, 4, 5, 6, 7, 8] and all(type(t) is int for t in full)
+    with pytest.raises(KeyError):
+        text_source.fetch_prefix_token_ids(["r/c0", "r/zz"])
+    with pytest.raises(KeyError, match="duplicates"):
+        text_source.fetch_prefix_token_ids(["r/c0", "r/c0"])
+
+
+def test_route_fragments_ride_beside_snapshots_and_verify(text_sink, text_source, chain) -> None:
+    routes = [[[1, 2], [3, 4]], [[5, 6], [7, 8]]]
+    (record,) = chain("r", [([1], [2], [-1.0])], extras=[{"routed_experts": routes, "m": 1.5}])
+    assert text_sink.stage(record).ok
+    (deferred,) = text_source.fetch_for_finalization(["r/c0"])
+    assert deferred.routed_len == 2 and deferred.fragment is None and deferred.extras == {"m": 1.5}
+    (direct,) = text_source.fetch_for_finalization(["r/c0"], include_route_fragments=True)
+    assert direct.fragment.routes.tolist() == routes and direct.fragment.routes.dtype == torch.int16
+    assert "routed_experts" not in direct.snapshot.model_dump()
+    direct.fragment.verify(record.extras_digest)
+    with pytest.raises(ValueError, match="does not match"):
+        direct.fragment.verify(direct.snapshot.digest)
+
+
+def test_route_read_falls_back_to_the_base_selection_for_the_whole_batch(text_sink, text_source, chain) -> None:
+    (plain,) = chain("a", [([1], [2], [-1.0])])
+    assert text_sink.stage(plain).ok
+    (item,) = text_source.fetch_for_finalization(["a/c0"], include_route_fragments=True)
+    assert item.fragment is None
+    (routed,) = chain("b", [([1], [2], [-1.0])], extras=[{"routed_experts": [[[1]], [[2]]]}])
+    assert text_sink.stage(routed).ok
+    with pytest.raises(KeyError, match="routed_experts but its field is absent"):
+        text_source.fetch_for_finalization(["a/c0", "b/c0"], include_route_fragments=True)
+
+
+def test_media_metadata_tampering_is_detected(media_sink, media_source, client, chain) -> None:
+    (record,) = chain("r", [([1], [2], [-1.0])], extras=[{"media_spans": [1, 2]}])
+    assert media_sink.stage(record).ok
+    client.inner.put_samples(
+        sample_ids=["r/c0"], partition_id=MEDIA_PARTITION,
+        fields={"extras_metadata_json": torch.tensor([list(b'{"media_spans":[9]}')], dtype=torch.uint8)},
+    )
+    with pytest.raises(MediaMetadataIntegrityError, match="checksum mismatch"):
+        media_source.fetch_for_finalization(["r/c0"])
+
+
+def test_corrupted_token_bytes_fail_snapshot_validation(text_sink, text_source, client, chain) -> None:
+    (record,) = chain("r", [([1], [2], [-1.0])])
+    assert text_sink.stage(record).ok
+    client.inner.put_samples(
+        sample_ids=["r/c0"], partition_id=TEXT_PARTITION,
+        fields={"token_ids_delta": torch.tensor([[1, 9]])},
+    )
+    with pytest.raises(ValueError, match="digest does not match"):
+        text_source.fetch(["r/c0"])
