@@ -68,15 +68,20 @@ def test_ffd_waste_on_standard_distribution_is_small():
     assert padded_token_fraction(lengths, bins, mode="packed", pad_to=4096) <= 0.02
 
 
+@st.composite
+def planner_inputs(draw, *, headroom: int):
+    """``(lengths, multiple, rounded lengths, budget)`` with every row fitting the budget."""
+    lengths = draw(st.lists(st.integers(0, 300), max_size=80))
+    multiple = draw(st.sampled_from([1, 8, 64]))
+    rounded = [round_up(x, multiple) for x in lengths]
+    budget = max(rounded, default=1) + draw(st.integers(0, headroom)) or 1
+    return lengths, multiple, rounded, budget
+
+
 @settings(max_examples=60, deadline=None)
-@given(
-    lengths=st.lists(st.integers(0, 300), max_size=80),
-    cap_extra=st.integers(0, 400),
-    multiple=st.sampled_from([1, 8, 64]),
-)
-def test_ffd_properties(lengths, cap_extra, multiple):
-    costs = [round_up(x, multiple) for x in lengths]
-    cap = max(costs, default=1) + cap_extra or 1
+@given(case=planner_inputs(headroom=400))
+def test_ffd_properties(case):
+    lengths, multiple, costs, cap = case
     bins = plan_sequence_packing(
         lengths, max_tokens_per_microbatch=cap, sequence_length_pad_multiple=multiple
     )
@@ -113,14 +118,9 @@ def test_dynamic_batch_row_over_budget_raises():
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    lengths=st.lists(st.integers(0, 300), max_size=80),
-    budget_extra=st.integers(0, 2000),
-    multiple=st.sampled_from([1, 16, 64]),
-)
-def test_dynamic_batches_properties(lengths, budget_extra, multiple):
-    rounded = [round_up(x, multiple) for x in lengths]
-    budget = max(rounded, default=1) + budget_extra or 1
+@given(case=planner_inputs(headroom=2000))
+def test_dynamic_batches_properties(case):
+    lengths, multiple, rounded, budget = case
     mbs = plan_dynamic_batches(
         lengths, max_tokens_per_microbatch=budget, sequence_length_round=multiple
     )
