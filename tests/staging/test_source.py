@@ -9,6 +9,7 @@ from tq_plugin.staging import (
     STAGING_FIELDS,
     MediaMetadataIntegrityError,
     StagedCallBaseSnapshot,
+    TQTokenSink,
     TQTokenSource,
 )
 
@@ -78,8 +79,6 @@ def test_a_short_read_is_a_keyerror_never_a_shorter_list(staged, client) -> None
 
 def test_a_row_stored_under_another_key_is_an_identity_mismatch(text_source, client, chain) -> None:
     (record,) = chain("r", [([1], [2], [-1.0])])
-    from tq_plugin.staging import TQTokenSink
-
     TQTokenSink(client, staging_partition=TEXT_PARTITION).stage(record)
     row = client.inner.get_samples(sample_ids=["r/c0"], partition_id=TEXT_PARTITION, select_fields=STAGING_FIELDS)
     fields = {name: (row[name].values().unsqueeze(0) if row[name].is_nested else row[name]) for name in STAGING_FIELDS}
