@@ -17,7 +17,7 @@ def _quiet_lightning() -> None:
     logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
     # The module-side hooks are the design (MetaBatchMixin); Lightning warns when a DataModule
     # is passed too.
-    warnings.filterwarnings("ignore", message="You have overridden `(on_before_batch_transfer|transfer_batch_to_device)`")
+    warnings.filterwarnings("ignore", message="You have overridden `(on_before_batch_transfer|transfer_batch_to_device|on_after_batch_transfer)`")
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
     warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*")
 

@@ -1,0 +1,239 @@
+"""``DataPlaneCallback``: owns the data-plane client for one model role during a fit.
+
+Lifecycle (Lightning hooks):
+
+* ``setup`` (every rank): build the client (or attach a given one), meter it, hand it to the
+  module as ``dp_client``, register the configured partitions.
+* ``on_train_batch_end``: write back what the step returned under ``write_back``, advance the
+  resume cursor, clear the step's rows after its last microbatch, log data-plane metrics.
+* ``teardown`` and ``on_exception``: close the client. Lightning skips ``teardown`` when fit
+  raises, so both hooks close, idempotently, and a failed fit releases the client too.
+
+The resume cursor (steps completed, microbatches done in the current step) is the callback's
+checkpointed state; the ``MetaDataModule`` starts from it, so a resumed fit neither re-reads nor
+re-writes a microbatch. ``state_key`` includes the role, so a Policy and a Value instance keep
+separate entries in one checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
+
+from tq_plugin.data_plane.client import call_dp
+from tq_plugin.data_plane.column_io import write_columns
+from tq_plugin.data_plane.meta import KVBatchMeta
+from tq_plugin.lightning.metered import DataPlaneCounters, MeteredClient
+from tq_plugin.lightning.module import MICROBATCH_INFO, STEP_SAMPLE_IDS
+
+ClientSpec = Any  # a client, a zero-arg factory, a Hydra config with ``_target_``, or None
+
+
+def build_client(spec: ClientSpec) -> tuple[Any, bool]:
+    """``(client, built_here)`` from a client, a factory, a Hydra node, or ``None`` (embedded)."""
+    if spec is None:
+        from tq_plugin.data_plane.backends.local import LocalDataPlane
+
+        return LocalDataPlane(), True
+    if isinstance(spec, Mapping) or type(spec).__name__ == "DictConfig":
+        from hydra.utils import instantiate
+
+        return instantiate(spec), True
+    if hasattr(spec, "put_samples"):
+        return spec, False
+    if callable(spec):
+        return spec(), True
+    raise TypeError(
+        f"client must be a DataPlaneClient, a zero-arg factory or a Hydra config with _target_, "
+        f"got {type(spec).__name__}"
+    )
+
+
+class DataPlaneCallback(Callback):
+    """Connects one model role (``"policy"``, ``"value"``, ...) to the data plane.
+
+    Args:
+        client: an existing client, a zero-arg factory (e.g. a Hydra ``_partial_``), a Hydra
+            config with ``_target_``, or ``None`` for the embedded ``LocalDataPlane``.
+        role: names the checkpoint entry and the logged metrics (``dp/<role>/...``).
+        partitions: ``register_partition`` keyword sets, registered in ``setup`` on every rank.
+        attach_to: attribute of the LightningModule that hosts this role (``None``: the module).
+        write_back_key: the key of ``training_step``'s output holding ``{field: tensor}`` to write.
+        clear_rows: clear each step's rows after its last microbatch (leave it to the last
+            consumer when several roles read one step).
+        close_client: close the client in ``teardown``/``on_exception``; default: only a client
+            this callback built.
+        log_metrics: log per-step data-plane metrics through ``pl_module.log``.
+    """
+
+    def __init__(
+        self,
+        client: ClientSpec = None,
+        *,
+        role: str = "policy",
+        partitions: Sequence[Mapping[str, Any]] = (),
+        attach_to: str | None = None,
+        write_back_key: str = "write_back",
+        clear_rows: bool = True,
+        close_client: bool | None = None,
+        log_metrics: bool = True,
+    ) -> None:
+        if not role:
+            raise ValueError("DataPlaneCallback: role must be a non-empty string")
+        for p in partitions:
+            if "partition_id" not in p:
+                raise ValueError(f"DataPlaneCallback: partition spec {dict(p)!r} needs partition_id")
+        self.role = role
+        self.partitions = [dict(p) for p in partitions]
+        self.attach_to = attach_to
+        self.write_back_key = write_back_key
+        self.clear_rows = clear_rows
+        self.log_metrics = log_metrics
+        self._spec = client
+        self._close_client = close_client
+        self.client: MeteredClient | None = None
+        self._owns = False
+        self._closed = True
+        self._last = DataPlaneCounters()
+        self.completed_steps = 0
+        self.microbatches_done = 0
+        self.rows_written = 0
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(role=self.role)
+
+    def host(self, pl_module: LightningModule) -> Any:
+        return pl_module if self.attach_to is None else getattr(pl_module, self.attach_to)
+
+    def resume_cursor(self) -> tuple[int, int]:
+        """``(steps completed, microbatches done in the next step)``."""
+        return self.completed_steps, self.microbatches_done
+
+    # ------------------------------------------------------------------ lifecycle
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.client is None or self._closed:
+            inner, built = build_client(self._spec)
+            self.client = MeteredClient(inner)
+            self._owns = built if self._close_client is None else self._close_client
+            self._closed = False
+        self.host(pl_module).dp_client = self.client
+        pl_module.dp_client = self.client
+        for spec in self.partitions:
+            call_dp(self.client, "register_partition", **spec)
+        self._last = self.client.snapshot()
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._close()
+
+    @override
+    def on_exception(
+        self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
+    ) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._owns and self.client is not None:
+            self.client.close()
+
+    # ------------------------------------------------------------------ per step
+    @override
+    def on_train_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        host = self.host(pl_module)
+        meta = batch if isinstance(batch, KVBatchMeta) else getattr(host, "dp_meta", None)
+        if meta is None:
+            return
+        info = meta.extra_info.get(MICROBATCH_INFO)
+        position = None if info is None else (info["step"], self._index_in_step(info))
+        if position is not None and position < self.resume_cursor():
+            return  # already trained and written before a resume: never write it twice
+        fields = outputs.get(self.write_back_key) if isinstance(outputs, Mapping) else None
+        if fields:
+            self._write_back(host, meta, fields)
+        if info is not None:
+            self._advance(host, meta, info)
+        if self.log_metrics:
+            self._log(pl_module, host, meta)
+
+    def _index_in_step(self, info: Mapping[str, Any]) -> int:
+        return int(info.get("index_in_step", self.microbatches_done))
+
+    def _write_back(self, host: Any, meta: KVBatchMeta, fields: Mapping[str, Any]) -> None:
+        to_rows: Callable[[torch.Tensor], torch.Tensor] = getattr(host, "dp_rows", lambda v: v)
+        rows = {name: to_rows(value.detach()) for name, value in fields.items()}
+        writer = getattr(host, "write_to_dataplane", None)
+        if writer is not None:
+            writer(meta, rows)
+        else:
+            write_columns(self.client, meta, rows)
+        self.rows_written += meta.size
+
+    def _advance(self, host: Any, meta: KVBatchMeta, info: Mapping[str, Any]) -> None:
+        if not info["last_in_step"]:
+            self.microbatches_done = self._index_in_step(info) + 1
+            return
+        self.completed_steps = int(info["step"]) + 1
+        self.microbatches_done = 0
+        step_rows = meta.extra_info.get(STEP_SAMPLE_IDS)
+        if self.clear_rows and step_rows:
+            call_dp(self.client, "clear_samples", sample_ids=step_rows, partition_id=meta.partition_id)
+
+    def _log(self, pl_module: LightningModule, host: Any, meta: KVBatchMeta) -> None:
+        assert self.client is not None
+        now = self.client.snapshot()
+        delta = now.minus(self._last)
+        self._last = now
+        stats = getattr(host, "dp_batch_stats", None) or {}
+        values = {
+            "bytes_read": delta.bytes_read,
+            "bytes_written": delta.bytes_written,
+            "rows_read": delta.rows_read,
+            "rows_written": delta.rows_written,
+            "dp_time_s": delta.seconds,
+        }
+        if stats:
+            padded = stats["padded_tokens"]
+            values.update(
+                real_tokens=stats["real_tokens"],
+                padded_tokens=padded,
+                pad_fraction=0.0 if not padded else 1.0 - stats["real_tokens"] / padded,
+                layout_time_s=stats["layout_s"],
+            )
+        pl_module.log_dict(
+            {f"dp/{self.role}/{k}": float(v) for k, v in values.items()},
+            on_step=True,
+            on_epoch=False,
+            batch_size=max(meta.size, 1),
+        )
+
+    # ------------------------------------------------------------------ checkpoint state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "completed_steps": self.completed_steps,
+            "microbatches_done": self.microbatches_done,
+            "rows_written": self.rows_written,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.completed_steps = int(state_dict["completed_steps"])
+        self.microbatches_done = int(state_dict["microbatches_done"])
+        self.rows_written = int(state_dict.get("rows_written", 0))
