@@ -12,6 +12,7 @@ from tq_plugin.data_plane.packing import (
     as_lengths,
     balanced_equal_count,
     micro_batch_lengths,
+    pack_into_count,
     padded_token_fraction,
     plan_dynamic_batches,
     plan_microbatches,
@@ -154,6 +155,18 @@ def test_split_to_count_keeps_rows_and_budget(lengths, extra, packed):
     assert _flat(out) == list(range(len(lengths)))
     for mb, length in zip(out, micro_batch_lengths(lengths, out, mode=mode)):
         assert (length if packed else length * len(mb)) <= budget
+
+
+def test_pack_into_count_balances_or_declines():
+    lengths = [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 0]
+    bins = pack_into_count(lengths, count=3, max_tokens_per_microbatch=16)
+    assert _flat(bins) == list(range(len(lengths))) and all(bins)
+    loads = sorted(sum(lengths[i] for i in b) for b in bins)
+    assert loads == [14, 15, 16]  # greedy LPT: within one row of each other
+    assert pack_into_count(lengths, count=3, max_tokens_per_microbatch=14) is None  # 16 > 14
+    assert pack_into_count([5, 5], count=3, max_tokens_per_microbatch=10) is None  # too few rows
+    zeros = pack_into_count([0, 0, 0, 0], count=4, max_tokens_per_microbatch=1)
+    assert sorted(map(len, zeros)) == [1, 1, 1, 1]  # zero-length rows still spread out
 
 
 def test_split_to_count_errors():

@@ -338,6 +338,38 @@ def split_to_count(
     return mbs
 
 
+def pack_into_count(
+    lengths: Sequence[int] | torch.Tensor,
+    *,
+    count: int,
+    max_tokens_per_microbatch: int,
+    sequence_length_pad_multiple: int = 1,
+) -> list[list[int]] | None:
+    """Pack rows into exactly ``count`` token-balanced bins, or ``None`` if that breaks the budget.
+
+    Longest-processing-time order: rows longest first (ties by index), each to the bin with the
+    fewest tokens so far (ties: fewer rows, then lower index), so bins come out within about one
+    row's length of each other. Used instead of :func:`split_to_count` when sequence packing
+    must reach a bin count above first-fit-decreasing's: halving bins would leave some half
+    empty, which unbalances ranks and wastes fixed-shape bins. ``None`` when a bin would exceed
+    ``max_tokens_per_microbatch`` or stay empty (callers then fall back to splitting).
+    """
+    lens = as_lengths(lengths, name="lengths")
+    if count < 1 or lens.numel() < count:
+        return None
+    costs = _rounded(lens, int(sequence_length_pad_multiple))
+    order = torch.sort(lens, descending=True, stable=True).indices
+    heap = [(0, 0, b) for b in range(count)]
+    bins: list[list[int]] = [[] for _ in range(count)]
+    for row, cost in zip(order.tolist(), costs[order].tolist()):
+        load, n_rows, b = heapq.heappop(heap)
+        if load + cost > max_tokens_per_microbatch:
+            return None
+        bins[b].append(row)
+        heapq.heappush(heap, (load + cost, n_rows + 1, b))
+    return bins
+
+
 def plan_microbatches(
     lengths: Sequence[int] | torch.Tensor,
     *,
@@ -349,8 +381,10 @@ def plan_microbatches(
 
     Returns ``(micro_batches, micro_batch_lengths)``: row-index lists into ``lengths`` and each
     microbatch's token length (``"packed"`` length under sequence packing, padded dim 1 under
-    dynamic batching; see :func:`micro_batch_lengths`). The count is split up to a multiple of
-    ``count_multiple`` (:func:`split_to_count`). Under ``microbatch_order="largest_first"`` the
+    dynamic batching; see :func:`micro_batch_lengths`). The count is raised to a multiple of
+    ``count_multiple``: packed rows are re-packed into that many balanced bins
+    (:func:`pack_into_count`) when they fit, else (and for dynamic batches) the costliest
+    microbatches are split (:func:`split_to_count`). Under ``microbatch_order="largest_first"`` the
     packed microbatches are sorted by length, longest first (stable); otherwise packer order.
     """
     if (sequence_packing_args is None) == (dynamic_batching_args is None):
@@ -380,7 +414,15 @@ def plan_microbatches(
         raise ValueError(f"count_multiple must be >= 1, got {count_multiple}")
     target = -(-len(mbs) // count_multiple) * count_multiple
     if target > len(mbs):
-        mbs = split_to_count(lens, mbs, count=target, mode=mode, multiple=multiple)
+        repacked = None
+        if mode == "packed":
+            repacked = pack_into_count(
+                lens,
+                count=target,
+                max_tokens_per_microbatch=args["max_tokens_per_microbatch"],
+                sequence_length_pad_multiple=multiple,
+            )
+        mbs = repacked or split_to_count(lens, mbs, count=target, mode=mode, multiple=multiple)
     mbl = micro_batch_lengths(lens, mbs, mode=mode, multiple=multiple)
     if mode == "packed" and args["microbatch_order"] == "largest_first":
         order = sorted(range(len(mbs)), key=lambda i: -mbl[i])
