@@ -268,9 +268,8 @@ def _reduce_per_mb(
     lens_rounded: torch.Tensor, micro_batches: Sequence[Sequence[int]], mode: MicroBatchMode
 ) -> torch.Tensor:
     """Per-microbatch sum (``"packed"``) or max (``"padded"``) of rounded lengths (one scatter)."""
-    sizes = torch.tensor([len(mb) for mb in micro_batches], dtype=torch.int64)
     rows = torch.tensor([i for mb in micro_batches for i in mb], dtype=torch.int64)
-    owner = torch.repeat_interleave(torch.arange(len(micro_batches)), sizes)
+    owner = torch.tensor([k for k, mb in enumerate(micro_batches) for _ in mb], dtype=torch.int64)
     out = torch.zeros(len(micro_batches), dtype=torch.int64)
     if rows.numel():
         reduce = "sum" if mode == "packed" else "amax"
