@@ -17,12 +17,11 @@ Run: ``.venv/bin/python -m benchmarks.bench_packing``.
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Any
 
 import torch
 
+from benchmarks._common import median_seconds, table
 from tq_plugin.data_plane.column_io import round_up, stamp_global_forward_pad_seqlen
 from tq_plugin.data_plane.meta import KVBatchMeta
 from tq_plugin.data_plane.packing import (
@@ -111,43 +110,29 @@ def _measure(meta: KVBatchMeta, dp_world: int, spec: dict[str, Any]) -> dict[str
     return out
 
 
-def _median_ms(fn, repeats: int = REPEATS) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+def _pct(value: float | None) -> str:
+    return "" if value is None else f"{value:.2%}"
 
 
 def main() -> dict[str, Any]:
     meta = standard_meta(ROWS)
-    results: dict[str, Any] = {
-        "rows": ROWS,
-        "pad_target": meta.extra_info[GLOBAL_FORWARD_PAD_SEQLEN],
-        "waste": {},
-        "planner_ms": {},
-    }
-    print(
-        f"### Padded-token fraction, {ROWS} rows, lengths uniform 100..2000 "
-        f"(pad target {results['pad_target']})\n"
-    )
-    print(
-        "| mode | DP | padded fraction | bins padded to capacity | bins padded to longest bin "
-        "| microbatches/rank | rank tokens max/mean |"
-    )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    target = meta.extra_info[GLOBAL_FORWARD_PAD_SEQLEN]
+    waste: dict[str, dict[str, Any]] = {}
+    rows = []
     for name, spec in _modes().items():
         for dp in (1, 8):
             r = _measure(meta, dp, spec)
-            results["waste"][(name, dp)] = r
-            cap = r.get("padded_fraction_bins_to_capacity")
-            longest = r.get("padded_fraction_bins_to_longest")
-            print(
-                f"| {name} | {dp} | {r['padded_fraction']:.2%} | "
-                f"{'' if cap is None else f'{cap:.2%}'} | "
-                f"{'' if longest is None else f'{longest:.2%}'} | "
-                f"{r['microbatches_per_rank']} | {r['rank_imbalance']:.3f} |"
+            waste[f"{name}, DP {dp}"] = r
+            rows.append(
+                [
+                    name,
+                    dp,
+                    _pct(r["padded_fraction"]),
+                    _pct(r.get("padded_fraction_bins_to_capacity")),
+                    _pct(r.get("padded_fraction_bins_to_longest")),
+                    r["microbatches_per_rank"],
+                    f"{r['rank_imbalance']:.3f}",
+                ]
             )
 
     big = standard_meta(TIMING_ROWS, seed=1)
@@ -172,15 +157,41 @@ def main() -> dict[str, Any]:
             lengths, plan_sequence_packing(lengths, max_tokens_per_microbatch=8192), mode="packed"
         ),
     }
-    print(f"\n### Planner time, {TIMING_ROWS} rows (median of {REPEATS}, ms)\n")
-    print("| call | ms |")
-    print("| --- | ---: |")
-    for name, fn in timings.items():
-        fn()  # warm-up
-        ms = _median_ms(fn)
-        results["planner_ms"][name] = ms
-        print(f"| {name} | {ms:.1f} |")
-    return results
+    planner_ms = {name: median_seconds(fn, runs=REPEATS) * 1e3 for name, fn in timings.items()}
+
+    text = "\n\n".join(
+        [
+            "## Packing and DP sharding (`benchmarks/bench_packing.py`)",
+            f"Padded-token fraction, {ROWS} rows, lengths uniform in 100..2000 (seed 0), sharded "
+            f"with `shard_meta_for_dp`; step pad target `global_forward_pad_seqlen` = {target}. "
+            "'padded fraction' counts what each mode computes: every row at the pad target, "
+            "each microbatch rectangle at its own padded max, or each packed bin at its packed "
+            "length (varlen/THD forward); the two bin columns pad every packed bin to "
+            "`max_tokens_per_microbatch` or to the step's longest bin (fixed-shape forward).",
+            table(
+                [
+                    "mode",
+                    "DP",
+                    "padded fraction",
+                    "bins padded to capacity",
+                    "bins padded to longest bin",
+                    "microbatches/rank",
+                    "rank tokens max/mean",
+                ],
+                rows,
+            ),
+            f"Planner time, {TIMING_ROWS} rows (median of {REPEATS}, ms):",
+            table(["call", "ms"], [[k, f"{v:.1f}"] for k, v in planner_ms.items()]),
+        ]
+    )
+    print(text)
+    return {
+        "markdown": text,
+        "rows": ROWS,
+        "pad_target": target,
+        "waste": waste,
+        "planner_ms": planner_ms,
+    }
 
 
 if __name__ == "__main__":
