@@ -17,6 +17,14 @@ from tq_plugin.data_plane.column_io import (
     write_columns,
 )
 from tq_plugin.data_plane.meta import KVBatchMeta
+from tq_plugin.data_plane.packing import (
+    micro_batch_lengths,
+    padded_token_fraction,
+    plan_dynamic_batches,
+    plan_microbatches,
+    plan_sequence_packing,
+)
+from tq_plugin.data_plane.sharding import shard_meta_for_dp
 from tq_plugin.data_plane.schema import *  # noqa: F403  (the field-name constants are the API)
 from tq_plugin.data_plane import schema as _schema
 
@@ -29,9 +37,15 @@ __all__ = [
     "first_write",
     "jaggedize",
     "materialize",
+    "micro_batch_lengths",
     "nested_from_lengths",
+    "padded_token_fraction",
+    "plan_dynamic_batches",
+    "plan_microbatches",
+    "plan_sequence_packing",
     "read_columns",
     "round_up",
+    "shard_meta_for_dp",
     "stamp_global_forward_pad_seqlen",
     "write_columns",
     *[n for n in dir(_schema) if n.isupper()],
