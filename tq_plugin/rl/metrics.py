@@ -1,0 +1,205 @@
+"""Per-step metrics of a recipe run, and the artifacts written into Hydra's output dir.
+
+* ``metrics.csv``: one row per RL step (reward, tokens/s, padded-token fraction, data-plane bytes…);
+* ``resolved_config.yaml``: the composed config with interpolations resolved;
+* ``reward_curve.png``: reward per step;
+* ``result.json``: the run's summary, which the sweep report collects from every job.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from tq_plugin.data_plane import KVBatchMeta
+from tq_plugin.lightning.module import MICROBATCH_INFO
+
+RESULT_FILE = "result.json"
+
+
+def _reset_peak_rss() -> None:
+    """Reset the kernel's peak-RSS mark (Linux), so each job of a one-process sweep measures its own."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def peak_rss_mb() -> float:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+@dataclass
+class _Step:
+    step: int
+    reward: float
+    reward_first_turn: float
+    reward_last_turn: float
+    rollout_s: float
+    prepare_s: float
+    failed_calls: int
+    real_tokens: float = 0.0
+    padded_tokens: float = 0.0
+    train_s: float = 0.0
+    microbatches: int = 0
+    loss: float = 0.0
+    clipfrac: float = 0.0
+    approx_kl: float = 0.0
+    value_loss: float = 0.0
+    dp_bytes: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def row(self) -> dict[str, Any]:
+        padded = self.padded_tokens or 1.0
+        return {
+            "step": self.step,
+            "reward": round(self.reward, 5),
+            "reward_first_turn": round(self.reward_first_turn, 5),
+            "reward_last_turn": round(self.reward_last_turn, 5),
+            "train_tokens": int(self.real_tokens),
+            "processed_tokens": int(self.padded_tokens),
+            "padded_fraction": round(1.0 - self.real_tokens / padded, 5),
+            "tokens_per_s": round(self.real_tokens / self.train_s, 1) if self.train_s else 0.0,
+            "microbatches": self.microbatches,
+            "loss": round(self.loss, 5),
+            "clipfrac": round(self.clipfrac, 5),
+            "approx_kl": round(self.approx_kl, 6),
+            "value_loss": round(self.value_loss, 5),
+            "rollout_s": round(self.rollout_s, 4),
+            "prepare_s": round(self.prepare_s, 4),
+            "train_s": round(self.train_s, 4),
+            "failed_calls": self.failed_calls,
+            "dp_bytes": self.dp_bytes,
+        }
+
+
+class MetricsLog:
+    def __init__(self, output_dir: Path, *, packing: str) -> None:
+        self.output_dir = output_dir
+        self.packing = packing
+        self.steps: list[_Step] = []
+        self.start = time.perf_counter()
+        self._dp_last = 0
+        self._max_mb_tokens = 0
+        _reset_peak_rss()
+
+    def on_step_ready(self, step: int, *, rewards: torch.Tensor, turn_scores: torch.Tensor,
+                      rollout_s: float, prepare_s: float, failed_calls: int, dp: Any) -> None:
+        total = 0 if dp is None else int(dp.bytes_read + dp.bytes_written)
+        if self.steps:
+            self.steps[-1].dp_bytes = total - self._dp_last
+            self._dp_last = total
+        self.steps.append(_Step(step, float(rewards.mean()), float(turn_scores[:, 0].mean()),
+                                float(turn_scores[:, -1].mean()), rollout_s, prepare_s, failed_calls))
+        self._dp_total = total
+
+    def on_microbatch(self, meta: KVBatchMeta, stats: dict[str, float]) -> None:
+        s = self.steps[-1]
+        info = meta.extra_info[MICROBATCH_INFO]
+        s.real_tokens += stats.get("real_tokens", 0.0)
+        s.padded_tokens += stats.get("padded_tokens", 0.0)
+        self._max_mb_tokens = max(self._max_mb_tokens, int(stats.get("padded_tokens", 0)))
+        s.train_s += stats["seconds"]
+        s.microbatches += 1
+        for key in ("loss", "clipfrac", "approx_kl", "value_loss"):
+            setattr(s, key, getattr(s, key) + stats.get(key, 0.0))
+        if info["last_in_step"]:
+            n = max(s.microbatches, 1)
+            for key in ("loss", "clipfrac", "approx_kl", "value_loss"):
+                setattr(s, key, getattr(s, key) / n)
+
+    def summary(self, dp_total_bytes: int) -> dict[str, Any]:
+        rows = [s.row() for s in self.steps]
+        real = sum(s.real_tokens for s in self.steps)
+        padded = sum(s.padded_tokens for s in self.steps) or 1.0
+        train_s = sum(s.train_s for s in self.steps)
+        k = max(1, min(5, len(rows) // 4))
+        first = [r["reward"] for r in rows[:k]]
+        last = [r["reward"] for r in rows[-k:]]
+        return {
+            "status": "ok",
+            "packing": self.packing,
+            "steps": len(rows),
+            "reward_first": rows[0]["reward"] if rows else None,
+            "reward_last": rows[-1]["reward"] if rows else None,
+            "reward_first_avg": sum(first) / len(first) if first else None,
+            "reward_last_avg": sum(last) / len(last) if last else None,
+            "smoothing_window": k,
+            "tokens_per_s": real / train_s if train_s else 0.0,
+            "padded_fraction": 1.0 - real / padded,
+            "train_tokens": int(real),
+            "processed_tokens": int(padded),
+            "max_microbatch_tokens": self._max_mb_tokens,
+            "dp_bytes": int(dp_total_bytes),
+            "peak_rss_mb": round(peak_rss_mb(), 1),
+            "wall_s": round(time.perf_counter() - self.start, 2),
+        }
+
+    def finish(self, cfg: DictConfig, dp_total_bytes: int, *, save: bool = True) -> dict[str, Any]:
+        if self.steps:
+            self.steps[-1].dp_bytes = dp_total_bytes - self._dp_last
+        summary = self.summary(dp_total_bytes)
+        if save:
+            self.write(cfg, summary)
+        return summary
+
+    def write(self, cfg: DictConfig, summary: dict[str, Any]) -> None:
+        out = self.output_dir
+        out.mkdir(parents=True, exist_ok=True)
+        rows = [s.row() for s in self.steps]
+        if rows:
+            with open(out / "metrics.csv", "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+                writer.writeheader()
+                writer.writerows(rows)
+        (out / "resolved_config.yaml").write_text(
+            OmegaConf.to_yaml(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]),
+                              resolve=True))
+        (out / RESULT_FILE).write_text(json.dumps(summary, indent=2))
+        if rows:
+            plot_reward_curve(rows, out / "reward_curve.png", title=f"packing={self.packing}")
+
+
+def plot_reward_curve(rows: list[dict[str, Any]], path: Path, *, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    steps = [r["step"] for r in rows]
+    ax.plot(steps, [r["reward"] for r in rows], label="reward (mean over turns)")
+    ax.plot(steps, [r["reward_last_turn"] for r in rows], alpha=0.6, label="last turn")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("reward")
+    ax.set_ylim(0, 1)
+    ax.set_title(title)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    return (
+        f"steps: {summary['steps']}   reward: {summary['reward_first']:.3f} -> "
+        f"{summary['reward_last']:.3f} (mean of first/last {summary['smoothing_window']} steps: "
+        f"{summary['reward_first_avg']:.3f} -> {summary['reward_last_avg']:.3f})\n"
+        f"train tokens/s: {summary['tokens_per_s']:.0f}   padded-token fraction: "
+        f"{summary['padded_fraction']:.3f}   data-plane bytes: {summary['dp_bytes'] / 1e6:.2f} MB   "
+        f"peak RSS: {summary['peak_rss_mb']:.0f} MB   wall: {summary['wall_s']:.1f} s"
+    )

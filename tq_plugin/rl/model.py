@@ -1,0 +1,142 @@
+"""A small causal transformer over the synthetic task's vocabulary, CPU-friendly.
+
+One forward serves both training layouts the Lightning mixin produces:
+
+* ``padded``: ``input_ids [B, S]``; every row is one sequence (segment 0).
+* ``packed``: ``input_ids [1, T]`` holding several sequences back to back, with ``position_ids``
+  restarting at 0 and ``segment_ids`` telling the sequences apart. Attention is causal *within* a
+  segment only, so a packed row computes exactly what the padded rows would.
+
+Media: positions whose token is ``image_token_id`` take their embedding from the row's staged
+pixel patches (one patch per placeholder, in order), so the model conditions on the pixels.
+"""
+
+from __future__ import annotations
+
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class _Block(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.ln1 = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(),
+                                 nn.Linear(4 * d_model, d_model))
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.n_heads, d // self.n_heads).unbind(2)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask,
+            dropout_p=self.dropout if self.training else 0.0,
+        )
+        x = x + self.proj(y.transpose(1, 2).reshape(b, s, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyTransformer(nn.Module):
+    """Causal LM trunk with an LM head (policy) or a scalar head (value, ``value_head=True``)."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        *,
+        d_model: int = 64,
+        n_layers: int = 2,
+        n_heads: int = 4,
+        max_seq_len: int = 64,
+        dropout: float = 0.0,
+        value_head: bool = False,
+        image_token_id: int | None = None,
+        patch_dim: int | None = None,
+        output_token_ids: list[int] | None = None,
+        name: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.max_seq_len = max_seq_len
+        self.image_token_id = image_token_id
+        self.tok = nn.Embedding(vocab_size, d_model)
+        self.pos = nn.Embedding(max_seq_len, d_model)
+        self.patch = nn.Linear(patch_dim, d_model) if patch_dim else None
+        self.blocks = nn.ModuleList(_Block(d_model, n_heads, dropout) for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, 1 if value_head else vocab_size)
+        # Tokens the policy may never emit get a large negative bias: sampling and the logprobs
+        # training recomputes see the same restricted distribution, with no infinities.
+        bias = torch.zeros(vocab_size)
+        if output_token_ids is not None and not value_head:
+            bias.fill_(-1e4)
+            bias[torch.tensor(output_token_ids)] = 0.0
+        self.register_buffer("out_bias", bias, persistent=False)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+        image_patches: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[B, S, V]`` (or values ``[B, S]``) for the next token after each position."""
+        b, s = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
+        x = self.tok(input_ids) + self.pos(position_ids.clamp(max=self.max_seq_len - 1))
+        if self.patch is not None and image_patches is not None and image_patches.numel():
+            slots = input_ids == self.image_token_id
+            if int(slots.sum()) != image_patches.shape[0]:
+                raise ValueError(
+                    f"image_patches holds {image_patches.shape[0]} patches but the batch has "
+                    f"{int(slots.sum())} image placeholder tokens"
+                )
+            x = x.masked_scatter(slots.unsqueeze(-1), self.patch(image_patches.to(x.dtype)))
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        mask = causal.expand(b, s, s)
+        if segment_ids is not None:
+            mask = mask & (segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1))
+        mask = mask.unsqueeze(1)
+        for block in self.blocks:
+            x = block(x, mask)
+        out = self.head(self.ln_f(x))
+        return out.squeeze(-1) if out.shape[-1] == 1 else out + self.out_bias
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``lp[:, t] = log p(input_ids[:, t] | tokens < t)``; position 0 gets 0."""
+    lp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    picked = lp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return F.pad(picked, (1, 0))
+
+
+def shift_values(values: torch.Tensor) -> torch.Tensor:
+    """Align a value head with actions: the value of the state *before* token t, at t."""
+    return F.pad(values[:, :-1], (1, 0))
+
+
+def entropy(logits: torch.Tensor) -> torch.Tensor:
+    lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return F.pad(-(lp.exp() * lp).sum(-1), (1, 0))
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+__all__ = ["TinyTransformer", "token_logprobs", "shift_values", "entropy", "count_params"]

@@ -1,0 +1,159 @@
+"""The LightningModule the PPO and GRPO recipes train: policy (+ value) over data-plane metas.
+
+``MetaBatchMixin`` turns each microbatch meta the dataloader yields into tensors in the configured
+layout (``padded`` to the step's pad target, ``padded`` to the microbatch's own length under
+dynamic batching, or one ``packed`` row with ``position_ids``/``segment_ids``); ``TQDriverMixin``
+supplies the pad-target minting and the column reads/writes of the pre-training passes.
+
+Optimization is manual: a global batch may be cut into a different number of microbatches
+under each packing mode, so every microbatch's loss is a token *sum* divided by the global
+batch's action-token count, gradients accumulate, and the optimizer steps on the global batch's
+last microbatch. The update is therefore the same whatever the packing; only its cost changes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from tq_plugin.config import PackingConfig, RecipeConfig
+from tq_plugin.data_plane import (
+    ADVANTAGES,
+    INPUT_IDS,
+    INPUT_LENGTHS,
+    PREV_LOGPROBS,
+    RETURNS,
+    SAMPLE_MASK,
+    TOKEN_MASK,
+    VALUES,
+    KVBatchMeta,
+    read_columns,
+)
+from tq_plugin.lightning.driver import TQDriverMixin
+from tq_plugin.lightning.layout import POSITION_IDS, SEGMENT_IDS
+from tq_plugin.lightning.module import MICROBATCH_INFO, MetaBatchMixin
+from tq_plugin.rl.model import TinyTransformer, entropy, shift_values, token_logprobs
+from tq_plugin.staging import MEDIA_IMGS_FIELD
+
+GB_ACTION_TOKENS = "rl_global_batch_action_tokens"
+POLICY_TRAIN_FIELDS = [INPUT_IDS, INPUT_LENGTHS, TOKEN_MASK, SAMPLE_MASK, PREV_LOGPROBS, ADVANTAGES]
+VALUE_TRAIN_FIELDS = [VALUES, RETURNS]
+
+
+class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
+    def __init__(
+        self,
+        *,
+        policy: TinyTransformer,
+        value: TinyTransformer | None,
+        recipe: RecipeConfig,
+        packing: PackingConfig,
+        media: bool = False,
+    ) -> None:
+        super().__init__()
+        self.policy = policy
+        self.value = value
+        self.rc = recipe
+        self.media = media
+        self.cfg = packing.model_cfg()
+        self.configure_packing(**packing.host_attributes())
+        self.dp_layout = packing.layout
+        self.dp_pad_to = "microbatch" if packing.use_dynamic_batches else "target"
+        self.dp_read_fields = POLICY_TRAIN_FIELDS + (VALUE_TRAIN_FIELDS if value is not None else [])
+        self.automatic_optimization = False
+        self.step_hook: Any = None  # called with (meta, stats) after each microbatch
+        self.train_seconds = 0.0
+
+    # ------------------------------------------------------------------ model inputs
+    def _inputs(self, td: Any, meta: KVBatchMeta) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {}
+        if POSITION_IDS in td.keys():
+            kwargs = {"position_ids": td[POSITION_IDS], "segment_ids": td[SEGMENT_IDS]}
+        if self.media:
+            kwargs["image_patches"] = self.read_patches(meta).to(self.device)
+        return kwargs
+
+    def read_patches(self, meta: KVBatchMeta) -> torch.Tensor:
+        """The rows' staged pixel patches, concatenated in row order (one per image token)."""
+        td = read_columns(self.dp_client, meta, [MEDIA_IMGS_FIELD], layout="jagged")
+        imgs = td[MEDIA_IMGS_FIELD]
+        return imgs.values() if imgs.is_nested else imgs.reshape(-1, imgs.shape[-1])
+
+    # ------------------------------------------------------------------ pre-training passes
+    @torch.no_grad()
+    def write_prev_logprobs(self, meta: KVBatchMeta) -> None:
+        """Recompute the behaviour logprobs with the current policy; write ``prev_logprobs``."""
+        lp_meta = self._isolated_meta(meta, fields=[INPUT_IDS, INPUT_LENGTHS], task_name="prev_lp")
+        ids = self.read_from_dataplane(lp_meta, select_fields=[INPUT_IDS])[INPUT_IDS]
+        logits = self.policy(ids, **({"image_patches": self.read_patches(meta)} if self.media else {}))
+        self.write_to_dataplane(meta, {PREV_LOGPROBS: token_logprobs(logits, ids, self.rc.temperature)})
+
+    @torch.no_grad()
+    def write_values(self, meta: KVBatchMeta) -> None:
+        """The value model's forward over the step, under its own isolated pad target."""
+        v_meta = self._isolated_meta(meta, fields=[INPUT_IDS, INPUT_LENGTHS], task_name="value_fwd")
+        ids = self.read_from_dataplane(v_meta, select_fields=[INPUT_IDS])[INPUT_IDS]
+        out = self.value(ids, **({"image_patches": self.read_patches(meta)} if self.media else {}))
+        self.write_to_dataplane(meta, {VALUES: shift_values(out)})
+
+    # ------------------------------------------------------------------ training
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        groups = [{"params": self.policy.parameters(), "lr": self.rc.lr}]
+        if self.value is not None:
+            groups.append({"params": self.value.parameters(), "lr": self.rc.value_lr})
+        return torch.optim.Adam(groups)
+
+    def training_step(self, td: Any, batch_idx: int) -> dict[str, Any]:
+        start = time.perf_counter()
+        meta = self.dp_meta
+        info = meta.extra_info[MICROBATCH_INFO]
+        norm = float(max(meta.extra_info[GB_ACTION_TOKENS], 1))
+        mask = td[TOKEN_MASK].float()
+        mask = mask * self._row_values(td[SAMPLE_MASK], mask)
+        ids = td[INPUT_IDS]
+        inputs = self._inputs(td, meta)
+        logits = self.policy(ids, **inputs)
+        lp = token_logprobs(logits, ids, self.rc.temperature)
+        old = td[PREV_LOGPROBS]
+        adv = td[ADVANTAGES]
+        log_ratio = torch.where(mask > 0, lp - old, torch.zeros_like(lp))
+        ratio = log_ratio.exp()
+        clipped = ratio.clamp(1.0 - self.rc.clip_eps, 1.0 + self.rc.clip_eps)
+        pg = -torch.minimum(ratio * adv, clipped * adv)
+        loss = (pg * mask).sum() / norm
+        stats = {
+            "clipfrac": float((((ratio - 1.0).abs() > self.rc.clip_eps).float() * mask).sum() / norm),
+            "approx_kl": float(((ratio - 1.0 - log_ratio) * mask).sum() / norm),
+        }
+        if self.rc.entropy_coef:
+            loss = loss - self.rc.entropy_coef * (entropy(logits) * mask).sum() / norm
+        if self.value is not None:
+            v = shift_values(self.value(ids, **inputs))
+            old_v, ret = td[VALUES], td[RETURNS]
+            v_clip = old_v + (v - old_v).clamp(-self.rc.value_clip_eps, self.rc.value_clip_eps)
+            v_loss = 0.5 * torch.maximum((v - ret) ** 2, (v_clip - ret) ** 2)
+            v_loss = (v_loss * mask).sum() / norm
+            loss = loss + self.rc.vf_coef * v_loss
+            stats["value_loss"] = float(v_loss)
+        self.manual_backward(loss)
+        if info["last_in_global_batch"]:
+            opt = self.optimizers()
+            self.clip_gradients(opt, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+            opt.step()
+            opt.zero_grad()
+        elapsed = time.perf_counter() - start + self.dp_batch_stats.get("layout_s", 0.0)
+        self.train_seconds += elapsed
+        stats.update(loss=float(loss), seconds=elapsed, **self.dp_batch_stats)
+        if self.step_hook is not None:
+            self.step_hook(meta, stats)
+        return {"loss": loss.detach()}
+
+    @staticmethod
+    def _row_values(per_row: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """A per-row ``[B]`` column broadcast over tokens of a padded ``[B, S]`` or packed row."""
+        if like.shape[0] == per_row.shape[0]:
+            return per_row.float().unsqueeze(1)
+        return torch.ones_like(like)  # packed: placeholder rows carry token_mask 0 already
