@@ -148,7 +148,7 @@ def plan_step(
         for j, (start, end) in enumerate(gb):
             mb = shard.slice(start, end) if end > start else shard.subset([])
             extra = dict(base)
-            if lengths is not None:
+            if lengths is not None and db_args is not None:  # a padded width, not a packed length
                 extra[MICRO_BATCH_LENGTH] = int(lengths[g][j])
             last = epoch == num_epochs - 1 and len(out) == total - 1
             extra[MICROBATCH_INFO] = {
