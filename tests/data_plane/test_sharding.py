@@ -198,6 +198,16 @@ def test_seqpack_microbatch_metadata():
     assert max(loads) - min(loads) <= 4096
 
 
+def test_seqpack_raised_bin_count_is_rebalanced_not_halved():
+    # ~5 bins of 16384 tokens for 64 rows; 4 ranks need 8: re-packed into 8 even bins
+    meta = make_meta(standard_lengths(64))
+    args = {**SEQPACK, "max_tokens_per_microbatch": 16384}
+    shards, unsorted = shard_meta_for_dp(meta, dp_world=4, sequence_packing_args=args)
+    check_invariants(meta, shards, unsorted, dp_world=4, batch_size=64, mode="seqpack", args=args)
+    mbl = [x for sh in shards for x in sh.extra_info[MICRO_BATCH_LENGTHS][0]]
+    assert len(mbl) == 8 and max(mbl) - min(mbl) <= 2048  # within one row, not half-empty bins
+
+
 def test_seqpack_largest_first_order():
     meta = make_meta(standard_lengths(64))
     args = {**SEQPACK, "microbatch_order": "largest_first"}

@@ -21,10 +21,11 @@ Within a global batch:
   longest first to the least-loaded rank in tokens that still has room); a rank keeps its rows
   in their original relative order.
 * **Sequence packing / dynamic batching**: rows are planned into microbatches over the whole
-  global batch (:func:`tq_plugin.data_plane.packing.plan_microbatches`), the costliest
-  microbatches are split until their count is a multiple of ``dp_world``, and the microbatches
-  are dealt so every rank gets the same number, balancing tokens (costliest first to the
-  least-loaded rank with room). Row counts per rank may then differ. A rank keeps its
+  global batch (:func:`tq_plugin.data_plane.packing.plan_microbatches`), their count is raised
+  to a multiple of ``dp_world`` (packed rows are re-packed into that many token-balanced bins
+  when they fit the budget; otherwise the costliest microbatches are split), and the
+  microbatches are dealt so every rank gets the same number, balancing tokens (costliest first
+  to the least-loaded rank with room). Row counts per rank may then differ. A rank keeps its
   microbatches in plan order, each microbatch's rows contiguous.
 
 ``extra_info`` of each shard is a shallow copy of the parent's (so ``global_forward_pad_seqlen``
