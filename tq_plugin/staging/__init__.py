@@ -134,4 +134,5 @@ __all__ = [
     "staging_key",
     "staging_partition_fields",
     "validate_media_tensors",
+    "verify_and_linearize",
 ]

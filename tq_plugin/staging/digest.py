@@ -18,6 +18,8 @@ import math
 import re
 import struct
 from collections.abc import Mapping
+from itertools import compress
+from operator import not_
 from typing import Any
 
 import numpy as np
@@ -39,6 +41,7 @@ _HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
 _U64 = struct.Struct(">Q")
 _I64 = struct.Struct(">q")
 _F64 = struct.Struct(">d")
+_F32 = struct.Struct(">f")
 # Flat int lists at least this long are encoded through numpy instead of per value.
 _EXTRAS_FAST_INTS = 16
 
@@ -71,92 +74,116 @@ def _first_bad(values: Any, ok: np.ndarray) -> Any:
     return values[int(np.flatnonzero(~ok)[0])]
 
 
-def token_id_array(token_ids: Any, name: str = "token_id") -> np.ndarray:
-    """Token ids as a big-endian uint64 array, validated as exact non-negative u64 ints.
+def _as_numpy(values: Any) -> Any:
+    """Tensors become numpy arrays (bf16/fp16 widened to float32); anything else is returned."""
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu()
+        if values.dtype in (torch.bfloat16, torch.float16):
+            values = values.float()
+        return values.numpy()
+    return values
 
-    Lists must hold exact ``int`` (``bool`` is rejected, as in the reference); integer
-    tensors and arrays are taken whole.
+
+def token_id_bytes(token_ids: Any, name: str = "token_id", *, check_types: bool = True) -> tuple[int, bytes]:
+    """``(count, big-endian u64 bytes)`` of a token column, validated as exact u64 ints.
+
+    A list is packed in one C-level ``struct`` call (exact ``int`` only: ``bool`` is rejected,
+    as in the reference; ``check_types=False`` skips that scan for a list a strict pydantic
+    field already validated); integer tensors and arrays go through one numpy byte-swap.
     """
-    if isinstance(token_ids, torch.Tensor):
-        token_ids = token_ids.detach().cpu().numpy()
+    token_ids = _as_numpy(token_ids)
     if isinstance(token_ids, np.ndarray):
         if token_ids.dtype.kind not in "iu" or token_ids.ndim != 1:
             raise ValueError(f"{name} values must be a 1-D integer column, got {token_ids.dtype}")
         if token_ids.size and token_ids.dtype.kind == "i" and token_ids.min() < 0:
             bad = token_ids[int(np.argmin(token_ids))]
             raise ValueError(f"{name} must be an unsigned 64-bit integer, got {int(bad)}")
-        return token_ids.astype(">u8", copy=False)
-    token_ids = list(token_ids)
-    kinds = set(map(type, token_ids))
-    if kinds - {int}:
+        return token_ids.size, token_ids.astype(">u8", copy=False).tobytes()
+    if type(token_ids) is not list:
+        token_ids = list(token_ids)
+    if check_types and set(map(type, token_ids)) - {int}:
         bad = next(v for v in token_ids if type(v) is not int)
         raise ValueError(f"{name} must be an unsigned 64-bit integer, got {bad!r}")
     try:
-        return np.asarray(token_ids, dtype=">u8")
-    except OverflowError:
+        return len(token_ids), struct.pack(f">{len(token_ids)}Q", *token_ids)
+    except struct.error:
         bad = next(v for v in token_ids if not 0 <= v <= _U64_MAX)
         raise ValueError(f"{name} must be an unsigned 64-bit integer, got {bad!r}") from None
 
 
-def float_array(values: Any, name: str) -> np.ndarray:
-    """A float column as float64 (exact Python floats) or float32 (tensors), finite-checked.
+def _float32_fits(value: float) -> bool:
+    try:
+        _F32.pack(value)
+    except OverflowError:
+        return False
+    return True
 
-    Float32 inputs are kept as is (they already are wire values); Python floats keep their
-    float64 values so the {0.0, 1.0} mask and carry rules see what the caller wrote.
+
+def float32_bytes(values: Any, name: str, *, check_types: bool = True) -> tuple[Any, bytes]:
+    """``(values, big-endian float32 bytes)`` of a float column: finite, float32-representable.
+
+    Python floats are rounded to float32 (nearest-even) by one C-level ``struct`` pack; the
+    returned values keep the caller's float64 values, so the {0.0, 1.0} mask and carry rules
+    see what was written. Float tensors / arrays are cast by numpy.
     """
-    if isinstance(values, torch.Tensor):
-        values = values.detach().cpu()
-        if values.dtype == torch.bfloat16 or values.dtype == torch.float16:
-            values = values.float()
-        values = values.numpy()
+    values = _as_numpy(values)
     if isinstance(values, np.ndarray):
         if values.dtype.kind != "f" or values.ndim != 1:
             raise ValueError(f"{name} values must be a 1-D float column, got {values.dtype}")
-        arr = values
-    else:
+        finite = np.isfinite(values)
+        if not finite.all():
+            raise ValueError(f"{name} values must be finite Python floats, got {_first_bad(values, finite)!r}")
+        with np.errstate(over="ignore"):
+            wire = values.astype(">f4")
+        fits = np.isfinite(wire)
+        if not fits.all():
+            raise ValueError(f"{name} value cannot be represented as float32: {float(_first_bad(values, fits))!r}")
+        return values, wire.tobytes()
+    if type(values) is not list:
         values = list(values)
-        if set(map(type, values)) - {float}:
-            bad = next(v for v in values if type(v) is not float)
+    if check_types and set(map(type, values)) - {float}:
+        bad = next(v for v in values if type(v) is not float)
+        raise ValueError(f"{name} values must be finite Python floats, got {bad!r}")
+    if not math.isfinite(sum(values)):  # a NaN or inf makes the sum non-finite (so may overflow)
+        bad = next((v for v in values if not math.isfinite(v)), None)
+        if bad is not None:
             raise ValueError(f"{name} values must be finite Python floats, got {bad!r}")
-        arr = np.asarray(values, dtype=np.float64)
-    finite = np.isfinite(arr)
-    if not finite.all():
-        raise ValueError(f"{name} values must be finite Python floats, got {_first_bad(arr, finite)!r}")
-    return arr
+    try:
+        return values, struct.pack(f">{len(values)}f", *values)
+    except OverflowError:
+        bad = next(v for v in values if not _float32_fits(v))
+        raise ValueError(f"{name} value cannot be represented as float32: {bad!r}") from None
 
 
-def float32_be(arr: np.ndarray, name: str) -> np.ndarray:
-    """Round a finite float column to float32 (nearest-even), big-endian; overflow is a ValueError."""
-    if arr.dtype == np.float32 or arr.dtype == np.dtype(">f4"):
-        return arr.astype(">f4", copy=False)
-    with np.errstate(over="ignore"):
-        out = arr.astype(">f4")
-    finite = np.isfinite(out)
-    if not finite.all():
-        bad = float(_first_bad(arr, finite))
-        raise ValueError(f"{name} value cannot be represented as float32: {bad!r}")
-    return out
+def _check_mask_and_carry(mask: Any, logprobs: Any) -> None:
+    """Masks are 0.0 / 1.0 only; a carry position (mask 0.0) has logprob 0.0 (either sign)."""
+    if type(mask) is list and type(logprobs) is list:
+        if not set(mask) <= {0.0, 1.0}:
+            raise ValueError("token_mask_delta must contain only 0.0 or 1.0")
+        if any(compress(logprobs, map(not_, mask))):
+            raise ValueError("prompt-carry log probabilities must be 0.0")
+        return
+    mask, logprobs = np.asarray(mask), np.asarray(logprobs)
+    if not ((mask == 0.0) | (mask == 1.0)).all():
+        raise ValueError("token_mask_delta must contain only 0.0 or 1.0")
+    if (logprobs[mask == 0.0] != 0.0).any():
+        raise ValueError("prompt-carry log probabilities must be 0.0")
 
 
-def _tokens_payload(ids_be: np.ndarray) -> bytes:
-    return _U64.pack(ids_be.size) + ids_be.tobytes()
-
-
-def _f32s_payload(f32_be: np.ndarray) -> bytes:
-    return _U64.pack(f32_be.size) + f32_be.tobytes()
-
-
-def encode_token_ids(token_ids: Any) -> bytes:
+def encode_token_ids(token_ids: Any, *, check_types: bool = True) -> bytes:
     """``TOKENS(ids)``: the count, then every id as big-endian u64."""
-    return _tokens_payload(token_id_array(token_ids))
+    count, raw = token_id_bytes(token_ids, check_types=check_types)
+    return _U64.pack(count) + raw
 
 
-def hash_token_ids(token_ids: Any) -> str:
+def hash_token_ids(token_ids: Any, *, check_types: bool = True) -> str:
     """The cumulative hash: SHA-256(prefix-v2 tag ‖ TOKENS(ids)); an empty list is allowed."""
-    return hashlib.sha256(PREFIX_DOMAIN + encode_token_ids(token_ids)).hexdigest()
+    return hashlib.sha256(PREFIX_DOMAIN + encode_token_ids(token_ids, check_types=check_types)).hexdigest()
 
 
-def compute_chain_hash(parent_chain_hash: str | None, token_ids_delta: Any) -> str:
+def compute_chain_hash(
+    parent_chain_hash: str | None, token_ids_delta: Any, *, check_types: bool = True
+) -> str:
     """chain_N = SHA-256(chain-v1 ‖ (0x00 | 0x01 + parent bytes) ‖ TOKENS(delta_N)).
 
     The marker byte keeps a root's chain hash apart from any child's.
@@ -165,7 +192,8 @@ def compute_chain_hash(parent_chain_hash: str | None, token_ids_delta: Any) -> s
         parent = b"\x00"
     else:
         parent = b"\x01" + digest_to_bytes(parent_chain_hash, "parent_chain_hash")
-    return hashlib.sha256(CHAIN_DOMAIN + parent + encode_token_ids(token_ids_delta)).hexdigest()
+    tokens = encode_token_ids(token_ids_delta, check_types=check_types)
+    return hashlib.sha256(CHAIN_DOMAIN + parent + tokens).hexdigest()
 
 
 def _encode_extras_value(value: Any, out: list[bytes]) -> None:
@@ -268,7 +296,7 @@ def _check_identity(
         raise ValueError("a child call must use token_in mode with prev_len > 0")
 
 
-def compute_staging_digest(
+def staging_digest_and_columns(
     *,
     schema_version: int,
     digest_version: int,
@@ -287,13 +315,14 @@ def compute_staging_digest(
     extras_digest: str,
     chain_hash: str,
     cumulative_hash: str,
-) -> str:
-    """The per-call digest over identity, lengths, the three delta columns and the hashes.
+    check_types: bool = True,
+) -> tuple[str, bytes, bytes, bytes]:
+    """The staging digest plus the exact big-endian column bytes it covers.
 
-    Columns may be Python lists (exact ints / floats, as the records hold them) or 1-D
-    tensors / arrays (the staging wire's int64 and float32 columns); both hash the same.
-    ``staging_key``, extras bytes and attachments are not covered; extras are bound only
-    through ``extras_digest``.
+    Returns ``(digest, ids u64 bytes, mask float32 bytes, logprob float32 bytes)``, so a
+    writer can store precisely the bits the digest vouches for. ``check_types=False`` skips
+    the exact-type scans of list columns that strict pydantic fields already validated
+    (values are still range-, finiteness- and rule-checked).
     """
     _check_identity(
         schema_version=schema_version,
@@ -305,19 +334,18 @@ def compute_staging_digest(
         mode=mode,
         prev_len=prev_len,
     )
-    ids = token_id_array(token_ids_delta)
-    mask = float_array(token_mask_delta, "token_mask_delta")
-    logprobs = float_array(generation_log_probs_delta, "generation_log_probs_delta")
+    count, ids_raw = token_id_bytes(token_ids_delta, check_types=check_types)
+    mask, mask_raw = float32_bytes(token_mask_delta, "token_mask_delta", check_types=check_types)
+    logprobs, logprob_raw = float32_bytes(
+        generation_log_probs_delta, "generation_log_probs_delta", check_types=check_types
+    )
     if type(delta_len) is not int or delta_len < 1:
         raise ValueError("a staged call delta must contain at least one token")
-    if delta_len != ids.size:
-        raise ValueError(f"delta_len {delta_len} does not match {ids.size} token IDs")
-    if not ids.size == mask.size == logprobs.size:
+    if delta_len != count:
+        raise ValueError(f"delta_len {delta_len} does not match {count} token IDs")
+    if not count == len(mask) == len(logprobs):
         raise ValueError("token IDs, masks, and log probabilities must have equal lengths")
-    if not ((mask == 0.0) | (mask == 1.0)).all():
-        raise ValueError("token_mask_delta must contain only 0.0 or 1.0")
-    if (logprobs[mask == 0.0] != 0.0).any():
-        raise ValueError("prompt-carry log probabilities must be 0.0")
+    _check_mask_and_carry(mask, logprobs)
     if type(prev_len) is int and type(cum_len) is int and cum_len != prev_len + delta_len:
         raise ValueError(
             f"cum_len {cum_len} does not equal prev_len + delta_len ({prev_len + delta_len})"
@@ -325,9 +353,9 @@ def compute_staging_digest(
     extras_raw = digest_to_bytes(extras_digest, "extras_digest")
     chain_raw = digest_to_bytes(chain_hash, "chain_hash")
     cumulative_raw = digest_to_bytes(cumulative_hash, "cumulative_hash")
-    ids_payload = _tokens_payload(ids)
-    mask_payload = _f32s_payload(float32_be(mask, "token_mask_delta"))
-    logprob_payload = _f32s_payload(float32_be(logprobs, "generation_log_probs_delta"))
+    ids_payload = _U64.pack(count) + ids_raw
+    mask_payload = _U64.pack(count) + mask_raw
+    logprob_payload = _U64.pack(count) + logprob_raw
     payload = b"".join(
         (
             bytes((schema_version, digest_version, extras_digest_version)),
@@ -350,4 +378,16 @@ def compute_staging_digest(
             b"\x01" + cumulative_raw,
         )
     )
-    return hashlib.sha256(CALL_DOMAIN + payload).hexdigest()
+    return hashlib.sha256(CALL_DOMAIN + payload).hexdigest(), ids_raw, mask_raw, logprob_raw
+
+
+def compute_staging_digest(**fields: Any) -> str:
+    """The per-call digest over identity, lengths, the three delta columns and the hashes.
+
+    Keyword-only, with exactly the reference's argument names (``schema_version``, …,
+    ``cumulative_hash``). Columns may be Python lists (exact ints / floats, as the records
+    hold them) or 1-D tensors / arrays (the staging wire's int64 and float32 columns); both
+    hash the same. ``staging_key``, extras bytes and attachments are not covered; extras
+    are bound only through ``extras_digest``.
+    """
+    return staging_digest_and_columns(**fields)[0]

@@ -13,8 +13,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from tq_plugin.staging._gym import is_gym_instance
 from tq_plugin.staging.digest import (
     EXTRAS_DIGEST_VERSION,
@@ -203,15 +201,15 @@ def verify_and_linearize(receipt: Any, snapshots: Sequence[Any]) -> LinearizedRo
     running: str | None = None
     for position, row in enumerate(chain):
         snap = by_id[row.model_call_id]
-        running = compute_chain_hash(running, snap.token_ids_delta)
+        running = compute_chain_hash(running, snap.token_ids_delta, check_types=False)
         if running != row.chain_hash:
             raise RebuildError("chain_hash_mismatch", f"{row.model_call_id!r} breaks the chain")
-        m = np.asarray(snap.token_mask_delta, dtype=np.float64)
-        generated = np.flatnonzero(m != 0.0)
-        carry = int(generated[0]) if generated.size else m.size
-        if not (m[carry:] == 1.0).all():
+        mask_delta = list(snap.token_mask_delta)
+        size = len(mask_delta)
+        carry = mask_delta.index(1.0) if 1.0 in mask_delta else size
+        if mask_delta.count(0.0) != carry or mask_delta.count(1.0) != size - carry:
             raise RebuildError("invalid_mask_order", f"{row.model_call_id!r} mask is not carry-then-generation")
-        if carry == m.size:
+        if carry == size:
             raise RebuildError("empty_generation", f"{row.model_call_id!r} generated no token")
         if position == 0:
             prompt_len = carry
@@ -220,10 +218,10 @@ def verify_and_linearize(receipt: Any, snapshots: Sequence[Any]) -> LinearizedRo
         mask.extend(snap.token_mask_delta)
         logprobs.extend(snap.generation_log_probs_delta)
         spans.append(WeightVersionSpan(row.model_call_id, start, len(ids), row.weight_version))
-        links.append((row.model_call_id, carry, m.size - carry))
+        links.append((row.model_call_id, carry, size - carry))
     if 1.0 not in mask:
         raise RebuildError("empty_training_row", "no generated token on the terminal chain")
-    if hash_token_ids(ids) != chain[-1].cumulative_hash:
+    if hash_token_ids(ids, check_types=False) != chain[-1].cumulative_hash:
         raise RebuildError("cumulative_hash_mismatch", "the terminal's cumulative hash does not cover the row")
     return LinearizedRow(
         rollout_id=receipt.rollout_id,

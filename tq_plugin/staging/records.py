@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, model_validator
 
 from tq_plugin.staging.digest import (
     EMPTY_EXTRAS_DIGEST,
     compute_extras_digest,
-    compute_staging_digest,
+    staging_digest_and_columns,
 )
 
 Identifier = Annotated[str, Field(strict=True, min_length=1)]
@@ -107,8 +106,12 @@ def _digest_fields(record: Any) -> dict[str, Any]:
 
 
 def recompute_digest(record: Any) -> str:
-    """Recompute a snapshot's (ours or Gym's) staging digest from its fields."""
-    return compute_staging_digest(**_digest_fields(record))
+    """Recompute a snapshot's (ours or Gym's) staging digest from its fields.
+
+    The record's columns are strict pydantic lists, so the exact-type scan is skipped; a
+    ``model_copy``-tampered value still has to hash to the recorded digest.
+    """
+    return staging_digest_and_columns(**_digest_fields(record), check_types=False)[0]
 
 
 class StagedCallBaseSnapshot(_DigestWireModel):
@@ -153,16 +156,7 @@ class StagedCallBaseSnapshot(_DigestWireModel):
             raise ValueError("a staged call delta must contain at least one token")
         if self.token_ids_delta and min(self.token_ids_delta) < 0:
             raise ValueError("token_ids_delta must be non-negative")
-        mask = np.asarray(self.token_mask_delta, dtype=np.float64)
-        logprobs = np.asarray(self.generation_log_probs_delta, dtype=np.float64)
-        if not ((mask == 0.0) | (mask == 1.0)).all():
-            raise ValueError("token_mask_delta must contain only 0.0 or 1.0")
-        if mask.size == logprobs.size and (logprobs[mask == 0.0] != 0.0).any():
-            raise ValueError("prompt-carry log probabilities must be 0.0")
-        fields = _digest_fields(self)
-        fields["token_mask_delta"] = mask
-        fields["generation_log_probs_delta"] = logprobs
-        if compute_staging_digest(**fields) != self.digest:
+        if recompute_digest(self) != self.digest:
             raise ValueError("digest does not match staged call contents")
         return self
 

@@ -24,7 +24,7 @@ from tq_plugin.data_plane import (
     ROUTED_LEN_FIELD,
 )
 from tq_plugin.staging._gym import gym_record_class
-from tq_plugin.staging.digest import compute_staging_digest, digest_to_bytes, float32_be, float_array
+from tq_plugin.staging.digest import digest_to_bytes, staging_digest_and_columns
 from tq_plugin.staging.media import (
     _MEDIA_PIXEL_DTYPES,
     MEDIA_METADATA_DIGEST_FIELD,
@@ -60,30 +60,34 @@ _DIGEST_COLUMNS = (
     ("chain_hash_bytes", "chain_hash"),
     ("cumulative_hash_bytes", "cumulative_hash"),
 )
+_DIGEST_NAMES = [name for name, _ in _DIGEST_COLUMNS]
 
 
 def _bytes_tensor(value: bytes) -> torch.Tensor:
     """Non-empty bytes as one ``[1, nbytes]`` uint8 row (stored jagged)."""
     if not value:
         raise ValueError("a staged byte column cannot be empty")
-    return torch.frombuffer(bytearray(value), dtype=torch.uint8).reshape(1, -1)
+    return torch.from_numpy(np.frombuffer(bytearray(value), dtype=np.uint8).reshape(1, -1))
 
 
-def _token_ids_wire(token_ids: Any) -> np.ndarray:
-    """Token ids as the int64 wire column; ids above the int64 range are refused by name."""
-    if isinstance(token_ids, torch.Tensor):
-        token_ids = token_ids.detach().cpu().numpy()
-    if isinstance(token_ids, np.ndarray) and token_ids.dtype == np.uint64 and token_ids.size:
-        if int(token_ids.max()) > _INT64_MAX:
-            token_ids = token_ids.tolist()
-    try:
-        return np.asarray(token_ids, dtype=np.int64)
-    except OverflowError:
-        bad = next(v for v in token_ids if not -_INT64_MAX - 1 <= v <= _INT64_MAX)
+def _float32_wire(raw: bytes) -> torch.Tensor:
+    """A ``[1, L]`` float32 row from the digest's big-endian bytes: the very bits it hashed."""
+    return torch.from_numpy(np.frombuffer(raw, dtype=">f4").astype(np.float32).reshape(1, -1))
+
+
+def _token_ids_wire(raw: bytes) -> torch.Tensor:
+    """A ``[1, L]`` int64 row from the digest's big-endian u64 bytes.
+
+    The digest allows any u64 id, but the staging wire stores int64, so an id of 2**63 or
+    more cannot round-trip and is rejected before the write.
+    """
+    ids = np.frombuffer(raw, dtype=">u8")
+    if ids.size and int(ids.max()) > _INT64_MAX:
         raise ValueError(
-            f"token_ids_delta holds {bad}, above the int64 range the staging wire stores; "
-            "token ids must be below 2**63"
-        ) from None
+            f"token_ids_delta holds {int(ids.max())}, above the int64 range the staging wire "
+            "stores; token ids must be below 2**63"
+        )
+    return torch.from_numpy(ids.astype(np.int64).reshape(1, -1))
 
 
 def extras_metadata_json(extras: Mapping[str, Any] | None) -> bytes:
@@ -191,22 +195,20 @@ class TQTokenSink:
                 f"media 'imgs' dtype {media.imgs.dtype} does not match the staging column dtype "
                 f"{self.media_pixel_dtype}"
             )
-        ids = _token_ids_wire(record.token_ids_delta)
-        mask = float32_be(float_array(record.token_mask_delta, "token_mask_delta"), "token_mask_delta")
-        logprobs = float32_be(
-            float_array(record.generation_log_probs_delta, "generation_log_probs_delta"),
-            "generation_log_probs_delta",
+        digest, ids_raw, mask_raw, logprob_raw = staging_digest_and_columns(
+            **_digest_fields(record), check_types=False
         )
-        wire = _digest_fields(record)
-        wire.update(token_ids_delta=ids, token_mask_delta=mask, generation_log_probs_delta=logprobs)
-        if compute_staging_digest(**wire) != record.digest:
+        if digest != record.digest:
             raise ValueError("digest does not match staged call contents")
+        ids = _token_ids_wire(ids_raw)
+        mask = _float32_wire(mask_raw)
+        logprobs = _float32_wire(logprob_raw)
         extras = record.extras if hasattr(record, "extras") else None
         routes = None if extras is None else extras.get(ROUTED_EXPERTS_FIELD)
-        encoding, route_columns = _route_columns(routes, int(ids.size))
+        encoding, route_columns = _route_columns(routes, ids.shape[1])
         metadata = extras_metadata_json(extras)
         parent = record.parent_call_id
-        scalars = torch.tensor(
+        scalars = torch.from_numpy(np.array(
             [
                 record.schema_version,
                 record.digest_version,
@@ -217,28 +219,25 @@ class TQTokenSink:
                 record.cum_len,
                 record.weight_version,
                 encoding,
-                int(ids.size) if route_columns else 0,
+                ids.shape[1] if route_columns else 0,
             ],
-            dtype=torch.int64,
-        )
+            dtype=np.int64,
+        ))
         digests = b"".join(digest_to_bytes(getattr(record, attr), attr) for _, attr in _DIGEST_COLUMNS)
-        digest_rows = torch.frombuffer(bytearray(digests), dtype=torch.uint8).reshape(4, 1, 32)
-        flags = torch.tensor([parent is not None, True, True])
+        digest_rows = torch.from_numpy(np.frombuffer(bytearray(digests), dtype=np.uint8).reshape(4, 1, 32))
+        flags = torch.from_numpy(np.array([parent is not None, True, True]))
         fields: dict[str, torch.Tensor] = {
-            "token_ids_delta": torch.from_numpy(ids).reshape(1, -1),
-            "token_mask_delta": torch.from_numpy(mask.astype(np.float32)).reshape(1, -1),
-            "generation_logprobs_delta": torch.from_numpy(logprobs.astype(np.float32)).reshape(1, -1),
+            "token_ids_delta": ids,
+            "token_mask_delta": mask,
+            "generation_logprobs_delta": logprobs,
             "rollout_id_utf8": _bytes_tensor(record.rollout_id.encode("utf-8")),
             "model_call_id_utf8": _bytes_tensor(record.model_call_id.encode("utf-8")),
             "parent_call_id_utf8": _bytes_tensor(b"\0" if parent is None else parent.encode("utf-8")),
             ROUTED_EXTRAS_METADATA_FIELD: _bytes_tensor(metadata),
         }
-        for i, name in enumerate(_INT_SCALARS):
-            fields[name] = scalars[i : i + 1]
-        for i, name in enumerate(_BOOL_SCALARS):
-            fields[name] = flags[i : i + 1]
-        for i, (name, _) in enumerate(_DIGEST_COLUMNS):
-            fields[name] = digest_rows[i]
+        fields.update(zip(_INT_SCALARS, scalars.split(1)))
+        fields.update(zip(_BOOL_SCALARS, flags.split(1)))
+        fields.update(zip(_DIGEST_NAMES, digest_rows.unbind(0)))
         fields.update(route_columns)
         if self.capture_media:
             fields.update(_media_columns(media, self._sentinels))

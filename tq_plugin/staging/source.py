@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from tensordict import TensorDictBase
 
@@ -98,32 +99,50 @@ class FetchedStagedCall:
 
 
 class _Batch:
-    """A batched read split into per-row Python values, one conversion per column."""
+    """A batched read split into per-row values, one conversion per column.
+
+    Each column is converted once (to numpy, or to Python lists) and then sliced per row, so
+    per-row work is a few views and list conversions, never a nested-tensor index.
+    """
 
     def __init__(self, td: TensorDictBase) -> None:
         self.td = td
         self.n = int(td.batch_size[0]) if len(td.batch_size) else 0
-        self._cache: dict[str, Any] = {}
+        self._cache: dict[tuple[str, str], Any] = {}
+
+    def _column(self, name: str) -> torch.Tensor:
+        value = self.td.get(name)
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"staged column {name!r} is {type(value).__name__}, not a tensor")
+        return value
+
+    def _split(self, name: str, convert: Any) -> list[Any]:
+        value = self._column(name)
+        if value.is_nested:
+            bounds = value.offsets().tolist()
+            values = convert(value.values())
+            return [values[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        return list(convert(value))
 
     def rows(self, name: str) -> list[torch.Tensor]:
-        """Each row's tensor (jagged columns split by offsets; dense ones by row)."""
-        if name not in self._cache:
-            value = self.td.get(name)
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"staged column {name!r} is {type(value).__name__}, not a tensor")
-            if value.is_nested:
-                bounds = value.offsets().tolist()
-                values = value.values()
-                self._cache[name] = [values[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-            else:
-                self._cache[name] = list(value.unbind(0))
-        return self._cache[name]
+        """Each row as a tensor (jagged columns split by offsets; dense ones by row)."""
+        key = ("rows", name)
+        if key not in self._cache:
+            self._cache[key] = self._split(name, lambda t: t)
+        return self._cache[key]
+
+    def arrays(self, name: str) -> list[np.ndarray]:
+        """Each row as a numpy view (for numpy-representable dtypes)."""
+        key = ("arrays", name)
+        if key not in self._cache:
+            self._cache[key] = self._split(name, lambda t: t.detach().cpu().numpy())
+        return self._cache[key]
 
     def ints(self, name: str) -> list[int]:
         """One integer scalar per row, type-checked."""
         key = ("ints", name)
         if key not in self._cache:
-            value = self.td.get(name)
+            value = self._column(name)
             if value.is_nested or value.dtype not in _INT_DTYPES:
                 raise TypeError(f"staged scalar {name!r} must be an integer tensor, got {value.dtype}")
             if value.numel() != self.n:
@@ -135,7 +154,7 @@ class _Batch:
         """One bool flag per row, type-checked."""
         key = ("bools", name)
         if key not in self._cache:
-            value = self.td.get(name)
+            value = self._column(name)
             if value.is_nested or value.dtype != torch.bool:
                 raise TypeError(f"staged flag {name!r} must be a bool tensor, got {value.dtype}")
             if value.numel() != self.n:
@@ -147,7 +166,9 @@ class _Batch:
         """Each row of a uint8 column as bytes."""
         key = ("texts", name)
         if key not in self._cache:
-            self._cache[key] = [row.numpy().tobytes() for row in self.rows(name)]
+            if self._column(name).dtype != torch.uint8:
+                raise TypeError(f"staged byte column {name!r} must be uint8")
+            self._cache[key] = [row.tobytes() for row in self.arrays(name)]
         return self._cache[key]
 
 
@@ -163,14 +184,14 @@ def _snapshot_fields(batch: _Batch, i: int) -> dict[str, Any]:
     parent_present = batch.bools("parent_call_id_present")[i]
     out["parent_call_id"] = batch.texts("parent_call_id_utf8")[i].decode("utf-8") if parent_present else None
     for attr, column, flag in _DIGEST_HEX_FIELDS:
-        raw = batch.rows(column)[i]
-        if raw.dtype != torch.uint8 or raw.numel() != 32:
-            raise ValueError(f"staged {column!r} must be 32 bytes, got {raw.numel()} {raw.dtype}")
+        raw = batch.texts(column)[i]
+        if len(raw) != 32:
+            raise ValueError(f"staged {column!r} must be 32 bytes, got {len(raw)}")
         present = True if flag is None else batch.bools(flag)[i]
-        out[attr] = raw.numpy().tobytes().hex() if present else None
-    out["token_ids_delta"] = batch.rows(TOKEN_IDS_DELTA_FIELD)[i].tolist()
-    out["token_mask_delta"] = batch.rows("token_mask_delta")[i].tolist()
-    out["generation_log_probs_delta"] = batch.rows("generation_logprobs_delta")[i].tolist()
+        out[attr] = raw.hex() if present else None
+    out["token_ids_delta"] = batch.arrays(TOKEN_IDS_DELTA_FIELD)[i].tolist()
+    out["token_mask_delta"] = batch.arrays("token_mask_delta")[i].tolist()
+    out["generation_log_probs_delta"] = batch.arrays("generation_logprobs_delta")[i].tolist()
     return out
 
 
