@@ -5,6 +5,7 @@ Layering is one-way: column I/O, packing and sharding talk to a backend only thr
 """
 
 from tq_plugin.data_plane.backends.local import LocalDataPlane
+from tq_plugin.data_plane.backends.ray_actor import RayDataPlane  # imports Ray only when built
 from tq_plugin.data_plane.client import DataPlaneClient, DataPlaneClosedError, call_dp
 from tq_plugin.data_plane.column_io import (
     first_write,
@@ -33,6 +34,7 @@ __all__ = [
     "DataPlaneClosedError",
     "KVBatchMeta",
     "LocalDataPlane",
+    "RayDataPlane",
     "call_dp",
     "first_write",
     "jaggedize",
