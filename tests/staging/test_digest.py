@@ -210,3 +210,26 @@ def test_chain_hash_marks_roots_apart_from_children() -> None:
     assert child != compute_chain_hash(None, [3])
     with pytest.raises(ValueError, match="lowercase SHA-256"):
         compute_chain_hash("F" * 64, [1])
+
+
+@pytest.mark.parametrize("n", [3, 511, 512, 2000])
+def test_long_and_short_float_columns_hash_alike_and_reject_alike(n: int) -> None:
+    rng = np.random.default_rng(n)
+    ids = [int(x) for x in rng.integers(0, 2**40, n)]
+    mask = [0.0] + [1.0] * (n - 1)
+    logprobs = [0.0] + [float(-x) for x in rng.random(n - 1)]
+    logprobs[-1] = -(2.0**128 - 2.0**104)  # float32 max, exactly representable
+    call = {**GOLDEN_CALL, "delta_len": n, "cum_len": 3 + n, "token_ids_delta": ids,
+            "token_mask_delta": mask, "generation_log_probs_delta": logprobs}
+    wire = {**call, "token_ids_delta": torch.tensor(ids),
+            "token_mask_delta": torch.tensor(mask, dtype=torch.float32),
+            "generation_log_probs_delta": torch.tensor(logprobs, dtype=torch.float32)}
+    assert compute_staging_digest(**call) == compute_staging_digest(**wire)
+    for bad, match in ((math.nan, "finite"), (-1e39, "cannot be represented as float32"),
+                       (-(2.0**128 - 2.0**103), "cannot be represented as float32")):
+        with pytest.raises(ValueError, match=match):
+            compute_staging_digest(**{**call, "generation_log_probs_delta": logprobs[:-1] + [bad]})
+    with pytest.raises(ValueError, match="prompt-carry"):
+        compute_staging_digest(**{**call, "generation_log_probs_delta": [-0.5] + logprobs[1:]})
+    with pytest.raises(ValueError, match="only 0.0 or 1.0"):
+        compute_staging_digest(**{**call, "token_mask_delta": mask[:-1] + [0.5]})

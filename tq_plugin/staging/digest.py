@@ -42,6 +42,10 @@ _U64 = struct.Struct(">Q")
 _I64 = struct.Struct(">q")
 _F64 = struct.Struct(">d")
 _F32 = struct.Struct(">f")
+# The smallest magnitude that rounds (nearest-even) to infinity as float32.
+_F32_OVERFLOW = 2.0**128 - 2.0**103
+# Float lists at least this long are checked and rounded by numpy after one exact pack.
+_LONG_COLUMN = 512
 # Flat int lists at least this long are encoded through numpy instead of per value.
 _EXTRAS_FAST_INTS = 16
 
@@ -122,9 +126,10 @@ def _float32_fits(value: float) -> bool:
 def float32_bytes(values: Any, name: str, *, check_types: bool = True) -> tuple[Any, bytes]:
     """``(values, big-endian float32 bytes)`` of a float column: finite, float32-representable.
 
-    Python floats are rounded to float32 (nearest-even) by one C-level ``struct`` pack; the
-    returned values keep the caller's float64 values, so the {0.0, 1.0} mask and carry rules
-    see what was written. Float tensors / arrays are cast by numpy.
+    Python floats are rounded to float32 (nearest-even) by one C-level ``struct`` pack (long
+    columns: packed exactly as float64, then checked and rounded by numpy); the returned
+    values keep the caller's float64 values, so the {0.0, 1.0} mask and carry rules see what
+    was written. Float tensors / arrays are cast by numpy.
     """
     values = _as_numpy(values)
     if isinstance(values, np.ndarray):
@@ -144,6 +149,16 @@ def float32_bytes(values: Any, name: str, *, check_types: bool = True) -> tuple[
     if check_types and set(map(type, values)) - {float}:
         bad = next(v for v in values if type(v) is not float)
         raise ValueError(f"{name} values must be finite Python floats, got {bad!r}")
+    if len(values) >= _LONG_COLUMN:
+        # One C-level pack to exact float64 bytes, then numpy does the checks and the rounding.
+        exact = np.frombuffer(struct.pack(f">{len(values)}d", *values), dtype=">f8")
+        finite = np.isfinite(exact)
+        if not finite.all():
+            raise ValueError(f"{name} values must be finite Python floats, got {_first_bad(values, finite)!r}")
+        if exact.size and float(np.abs(exact).max()) >= _F32_OVERFLOW:
+            bad = next(v for v in values if not _float32_fits(v))
+            raise ValueError(f"{name} value cannot be represented as float32: {bad!r}")
+        return exact, exact.astype(">f4").tobytes()
     if not math.isfinite(sum(values)):  # a NaN or inf makes the sum non-finite (so may overflow)
         bad = next((v for v in values if not math.isfinite(v)), None)
         if bad is not None:
