@@ -49,16 +49,25 @@ def rollout(rollout_id: str, rng: np.random.Generator, delta: int = DELTA) -> li
         generated = rng.integers(0, 150_000, delta - 32).tolist()
         logprobs = (-rng.random(delta - 32)).tolist()
         if parent is None:
-            admission = CaptureAdmission(rollout_id=rollout_id, model_call_id=f"c{call}", mode="text")
+            admission = CaptureAdmission(
+                rollout_id=rollout_id, model_call_id=f"c{call}", mode="text"
+            )
         else:
             admission = CaptureAdmission(
-                rollout_id=rollout_id, model_call_id=f"c{call}", parent_call_id=parent.model_call_id,
-                prev_len=parent.cum_len, mode="token_in", required_prefix_token_ids=sequence,
+                rollout_id=rollout_id,
+                model_call_id=f"c{call}",
+                parent_call_id=parent.model_call_id,
+                prev_len=parent.cum_len,
+                mode="token_in",
+                required_prefix_token_ids=sequence,
                 parent_chain_hash=parent.chain_hash,
             )
         prompt = sequence + carry
         parent = make_staged_call_record(
-            admission, prompt_ids=prompt, generated_ids=generated, generated_logprobs=logprobs,
+            admission,
+            prompt_ids=prompt,
+            generated_ids=generated,
+            generated_logprobs=logprobs,
             weight_version=call,
         )
         records.append(parent)
@@ -132,7 +141,9 @@ def _finalize(source: TQTokenSource, receipts: list) -> None:
     per_batch = BATCH // CALLS_PER_ROLLOUT
     for start in range(0, len(receipts), per_batch):
         group = receipts[start : start + per_batch]
-        fetched = source.fetch_for_finalization([row.staging_key for r in group for row in r.manifest])
+        fetched = source.fetch_for_finalization(
+            [row.staging_key for r in group for row in r.manifest]
+        )
         for k, receipt in enumerate(group):
             calls = fetched[k * CALLS_PER_ROLLOUT : (k + 1) * CALLS_PER_ROLLOUT]
             verify_and_linearize(receipt, [c.snapshot for c in calls])
@@ -226,17 +237,32 @@ def main() -> dict:
                     [f"stage(), {DELTA}-token deltas, 1 thread, LocalDataPlane", stage[1], ""],
                     [f"stage(), {DELTA}-token deltas, 4 threads, LocalDataPlane", stage[4], ""],
                     ["stage(), 1 thread, no-op store (the sink's own cost)", stage_no_store, ""],
-                    [f"fetch_for_finalization + verify, {BATCH}-call batches, LocalDataPlane", pipe["finalize_rows_s"], ""],
-                    ["stage + fetch + verify, 1 thread, LocalDataPlane", pipe["pipeline_calls_s"], "≥ 5,000"],
-                    ["stage + fetch + verify, 1 thread, staging layer alone", layer["layer_calls_s"], "≥ 5,000"],
+                    [
+                        f"fetch_for_finalization + verify, {BATCH}-call batches, LocalDataPlane",
+                        pipe["finalize_rows_s"],
+                        "",
+                    ],
+                    [
+                        "stage + fetch + verify, 1 thread, LocalDataPlane",
+                        pipe["pipeline_calls_s"],
+                        "≥ 5,000",
+                    ],
+                    [
+                        "stage + fetch + verify, 1 thread, staging layer alone",
+                        layer["layer_calls_s"],
+                        "≥ 5,000",
+                    ],
                 ],
             ),
             "",
-            f"Digest payload counts 16 B per token (u64 id, f32 mask, f32 logprob); target ≥ 200 MB/s. "
-            f"Rollouts are chains of {CALLS_PER_ROLLOUT} calls; \"verify\" is the snapshot validation "
-            "at fetch (digest recomputed over the fetched float32 values) plus `verify_and_linearize` "
-            "per rollout. \"Staging layer alone\" replaces the store's put with a no-op and replays "
-            "prefetched reads, so it is the sink, source and verifier without the backend.",
+            (
+                "Digest payload counts 16 B per token (u64 id, f32 mask, f32 logprob); target "
+                f'≥ 200 MB/s. Rollouts are chains of {CALLS_PER_ROLLOUT} calls; "verify" is the '
+                "snapshot validation at fetch (digest recomputed over the fetched float32 values) "
+                'plus `verify_and_linearize` per rollout. "Staging layer alone" replaces the '
+                "store's put with a no-op and replays prefetched reads, so it is the sink, source "
+                "and verifier without the backend."
+            ),
         ]
     )
     print(md)

@@ -86,20 +86,28 @@ def text_sink(client: RecordingClient) -> TQTokenSink:
 
 @pytest.fixture
 def text_source(client: RecordingClient) -> TQTokenSource:
-    return TQTokenSource(client, staging_partition=TEXT_PARTITION, snapshot_cls=StagedCallBaseSnapshot)
+    return TQTokenSource(
+        client, staging_partition=TEXT_PARTITION, snapshot_cls=StagedCallBaseSnapshot
+    )
 
 
 @pytest.fixture
 def media_sink(client: RecordingClient) -> TQTokenSink:
     return TQTokenSink(
-        client, staging_partition=MEDIA_PARTITION, capture_media=True, media_pixel_dtype=torch.bfloat16
+        client,
+        staging_partition=MEDIA_PARTITION,
+        capture_media=True,
+        media_pixel_dtype=torch.bfloat16,
     )
 
 
 @pytest.fixture
 def media_source(client: RecordingClient) -> TQTokenSource:
     return TQTokenSource(
-        client, staging_partition=MEDIA_PARTITION, capture_media=True, snapshot_cls=StagedCallBaseSnapshot
+        client,
+        staging_partition=MEDIA_PARTITION,
+        capture_media=True,
+        snapshot_cls=StagedCallBaseSnapshot,
     )
 
 
@@ -151,7 +159,9 @@ def chain() -> Callable[..., list[StagedCallRecord]]:
     return build_chain
 
 
-def still_image(patch: int = 2, frames: int = 1, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+def still_image(
+    patch: int = 2, frames: int = 1, dtype: torch.dtype = torch.bfloat16
+) -> dict[str, torch.Tensor]:
     """A valid still-image bundle: ``frames`` images of 2x2 patches each."""
     features = 3 * patch * patch
     return {
@@ -160,7 +170,9 @@ def still_image(patch: int = 2, frames: int = 1, dtype: torch.dtype = torch.bflo
     }
 
 
-def video(patch: int = 2, frames: int = 2, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+def video(
+    patch: int = 2, frames: int = 2, dtype: torch.dtype = torch.bfloat16
+) -> dict[str, torch.Tensor]:
     bundle = still_image(patch, frames, dtype)
     bundle["num_frames"] = torch.tensor([frames], dtype=torch.int32)
     return bundle

@@ -1,4 +1,5 @@
-"""Concurrent staging: many threads stage at once; every acknowledged row is fetchable and verifies."""
+"""Concurrent staging: many threads stage at once; every acknowledged row is fetchable and
+verifies."""
 
 from __future__ import annotations
 
@@ -39,7 +40,9 @@ def test_eight_threads_staging_at_once_lose_nothing(client) -> None:
     with ThreadPoolExecutor(THREADS) as pool:
         outcomes = [item for part in pool.map(worker, range(THREADS)) for item in part]
 
-    source = TQTokenSource(client.inner, staging_partition=TEXT_PARTITION, snapshot_cls=StagedCallBaseSnapshot)
+    source = TQTokenSource(
+        client.inner, staging_partition=TEXT_PARTITION, snapshot_cls=StagedCallBaseSnapshot
+    )
     assert len(outcomes) == THREADS * ROLLOUTS_PER_THREAD
     all_keys = []
     for records, results in outcomes:

@@ -189,8 +189,13 @@ def test_extras_reject_ambiguous_or_unsupported_types() -> None:
 def test_long_int_lists_in_extras_hash_like_the_per_value_encoding() -> None:
     values = list(range(-20, 40))
     short_digest = hashlib.sha256(
-        b"nemo-gym-staging-extras-v1\x01D" + struct.pack(">Q", 1) + struct.pack(">Q", 1) + b"a"
-        + b"L" + struct.pack(">Q", len(values)) + b"".join(b"I" + struct.pack(">q", v) for v in values)
+        b"nemo-gym-staging-extras-v1\x01D"
+        + struct.pack(">Q", 1)
+        + struct.pack(">Q", 1)
+        + b"a"
+        + b"L"
+        + struct.pack(">Q", len(values))
+        + b"".join(b"I" + struct.pack(">q", v) for v in values)
     ).hexdigest()
     assert compute_extras_digest({"a": values}) == short_digest
 
@@ -200,7 +205,9 @@ def test_negative_zero_keeps_its_sign_bit_and_sub_float32_noise_collides() -> No
     negative = compute_staging_digest(**{**GOLDEN_CALL, "generation_log_probs_delta": [0.0, -0.0]})
     assert positive != negative
     a = compute_staging_digest(**{**GOLDEN_CALL, "generation_log_probs_delta": [0.0, -0.1]})
-    b = compute_staging_digest(**{**GOLDEN_CALL, "generation_log_probs_delta": [0.0, -0.1000000001]})
+    b = compute_staging_digest(
+        **{**GOLDEN_CALL, "generation_log_probs_delta": [0.0, -0.1000000001]}
+    )
     assert a == b
 
 
@@ -219,14 +226,26 @@ def test_long_and_short_float_columns_hash_alike_and_reject_alike(n: int) -> Non
     mask = [0.0] + [1.0] * (n - 1)
     logprobs = [0.0] + [float(-x) for x in rng.random(n - 1)]
     logprobs[-1] = -(2.0**128 - 2.0**104)  # float32 max, exactly representable
-    call = {**GOLDEN_CALL, "delta_len": n, "cum_len": 3 + n, "token_ids_delta": ids,
-            "token_mask_delta": mask, "generation_log_probs_delta": logprobs}
-    wire = {**call, "token_ids_delta": torch.tensor(ids),
-            "token_mask_delta": torch.tensor(mask, dtype=torch.float32),
-            "generation_log_probs_delta": torch.tensor(logprobs, dtype=torch.float32)}
+    call = {
+        **GOLDEN_CALL,
+        "delta_len": n,
+        "cum_len": 3 + n,
+        "token_ids_delta": ids,
+        "token_mask_delta": mask,
+        "generation_log_probs_delta": logprobs,
+    }
+    wire = {
+        **call,
+        "token_ids_delta": torch.tensor(ids),
+        "token_mask_delta": torch.tensor(mask, dtype=torch.float32),
+        "generation_log_probs_delta": torch.tensor(logprobs, dtype=torch.float32),
+    }
     assert compute_staging_digest(**call) == compute_staging_digest(**wire)
-    for bad, match in ((math.nan, "finite"), (-1e39, "cannot be represented as float32"),
-                       (-(2.0**128 - 2.0**103), "cannot be represented as float32")):
+    for bad, match in (
+        (math.nan, "finite"),
+        (-1e39, "cannot be represented as float32"),
+        (-(2.0**128 - 2.0**103), "cannot be represented as float32"),
+    ):
         with pytest.raises(ValueError, match=match):
             compute_staging_digest(**{**call, "generation_log_probs_delta": logprobs[:-1] + [bad]})
     with pytest.raises(ValueError, match="prompt-carry"):

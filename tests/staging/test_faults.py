@@ -12,18 +12,32 @@ from .conftest import MEDIA_PARTITION, TEXT_PARTITION
 
 @pytest.mark.parametrize("midway", [False, True], ids=["fails-at-put", "fails-mid-write"])
 @pytest.mark.parametrize("partition", [TEXT_PARTITION, MEDIA_PARTITION])
-def test_failed_write_reports_and_leaves_nothing_behind(client, chain, media, midway, partition) -> None:
+def test_failed_write_reports_and_leaves_nothing_behind(
+    client, chain, media, midway, partition
+) -> None:
     is_media = partition == MEDIA_PARTITION
-    sink = TQTokenSink(client, staging_partition=partition, capture_media=is_media,
-                       media_pixel_dtype=torch.bfloat16 if is_media else None)
-    source = TQTokenSource(client, staging_partition=partition, capture_media=is_media,
-                           snapshot_cls=StagedCallBaseSnapshot)
+    sink = TQTokenSink(
+        client,
+        staging_partition=partition,
+        capture_media=is_media,
+        media_pixel_dtype=torch.bfloat16 if is_media else None,
+    )
+    source = TQTokenSource(
+        client,
+        staging_partition=partition,
+        capture_media=is_media,
+        snapshot_cls=StagedCallBaseSnapshot,
+    )
     (kept,) = chain("kept", [([1], [2], [-0.5])])
     assert sink.stage(kept).ok
     (lost,) = chain("lost", [([1], [2], [-0.5])])
     client.fail_put, client.midway = ConnectionError("storage unit vanished"), midway
     result = sink.stage(lost, attachments=media.still() if is_media else None)
-    assert not result.ok and result.staging_key == "lost/c0" and "storage unit vanished" in result.error
+    assert (
+        not result.ok
+        and result.staging_key == "lost/c0"
+        and "storage unit vanished" in result.error
+    )
     assert client.inner.list_sample_ids(partition_id=partition) == ["kept/c0"]
     with pytest.raises(KeyError):
         source.fetch(["lost/c0"])

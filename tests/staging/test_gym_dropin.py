@@ -13,11 +13,12 @@ import torch
 
 gym = pytest.importorskip(
     "nemo_gym.token_id_capture.staging",
-    reason="nemo-gym 0.7.0 is not installed (pip install --no-deps --ignore-requires-python nemo-gym==0.7.0)",
+    reason="nemo-gym 0.7.0 is not installed "
+    "(pip install --no-deps --ignore-requires-python nemo-gym==0.7.0)",
 )
 
-from tq_plugin import staging as ours  # noqa: E402
-from tq_plugin.staging import (  # noqa: E402
+from tq_plugin import staging as ours
+from tq_plugin.staging import (
     ChainPrefixCache,
     TQTokenSink,
     TQTokenSource,
@@ -25,7 +26,7 @@ from tq_plugin.staging import (  # noqa: E402
     verify_and_linearize,
 )
 
-from .conftest import MEDIA_PARTITION, TEXT_PARTITION  # noqa: E402
+from .conftest import MEDIA_PARTITION, TEXT_PARTITION
 
 
 @pytest.fixture
@@ -39,20 +40,33 @@ def worker(client):
 def _receipt(rollout_id: str, coords: list, reward: float = 1.0):
     rows = [
         gym.CallRecord(
-            model_call_id=c.model_call_id, parent_call_id=c.parent_call_id, prev_len=c.prev_len,
-            delta_len=c.delta_len, cum_len=c.cum_len, weight_version=c.weight_version, digest=c.digest,
-            extras_digest=c.extras_digest, staging_key=c.staging_key,
-            mode="text" if c.parent_call_id is None else "token_in", chain_hash=c.chain_hash,
-            cumulative_hash=c.cumulative_hash, response_id=f"resp-{c.model_call_id}",
+            model_call_id=c.model_call_id,
+            parent_call_id=c.parent_call_id,
+            prev_len=c.prev_len,
+            delta_len=c.delta_len,
+            cum_len=c.cum_len,
+            weight_version=c.weight_version,
+            digest=c.digest,
+            extras_digest=c.extras_digest,
+            staging_key=c.staging_key,
+            mode="text" if c.parent_call_id is None else "token_in",
+            chain_hash=c.chain_hash,
+            cumulative_hash=c.cumulative_hash,
+            response_id=f"resp-{c.model_call_id}",
         )
         for c in coords
     ]
-    return gym.RolloutReceipt(rollout_id=rollout_id, reward=reward, manifest=rows,
-                              terminal_model_call_id=rows[-1].model_call_id, terminal_selection="declared")
+    return gym.RolloutReceipt(
+        rollout_id=rollout_id,
+        reward=reward,
+        manifest=rows,
+        terminal_model_call_id=rows[-1].model_call_id,
+        terminal_selection="declared",
+    )
 
 
 def _run_rollout(capture, source, rollout_id: str, turns: int = 3, extras=None):
-    """Drive Gym's worker-side capture through a chain; children resolve their prefix from staging."""
+    """Drive Gym's worker-side capture through a chain; children resolve prefixes from staging."""
     cache = ChainPrefixCache(source)
     coords, chain, sequence = [], [], []
     for turn in range(turns):
@@ -63,8 +77,12 @@ def _run_rollout(capture, source, rollout_id: str, turns: int = 3, extras=None):
         else:
             parent = coords[-1]
             admission = gym.CaptureAdmission(
-                rollout_id=rollout_id, model_call_id=call, parent_call_id=parent.model_call_id,
-                prev_len=parent.cum_len, mode="token_in", staging_chain=list(chain),
+                rollout_id=rollout_id,
+                model_call_id=call,
+                parent_call_id=parent.model_call_id,
+                prev_len=parent.cum_len,
+                mode="token_in",
+                staging_chain=list(chain),
                 parent_chain_hash=parent.chain_hash,
             )
             prefix = resolve_admission_prefix(admission, cache)
@@ -73,8 +91,11 @@ def _run_rollout(capture, source, rollout_id: str, turns: int = 3, extras=None):
         prompt = sequence + [100 + turn, 200 + turn]
         generated = [300 + turn, 400 + turn]
         result = capture.complete_call(
-            active, prompt_token_ids=prompt, generated_token_ids=generated,
-            generated_logprobs=[-0.1 * (turn + 1), -0.0], extras=extras,
+            active,
+            prompt_token_ids=prompt,
+            generated_token_ids=generated,
+            generated_logprobs=[-0.1 * (turn + 1), -0.0],
+            extras=extras,
         )
         assert result.disposition == "staged", result
         coords.append(result)
@@ -97,11 +118,16 @@ def test_gym_capture_stages_through_our_sink_and_gym_verifies_our_snapshots(clie
 
 def test_sink_returns_gyms_stage_result_for_gyms_records(client) -> None:
     sink = TQTokenSink(client, staging_partition=TEXT_PARTITION)
-    record = gym.StagedCallRecord(**ours.make_staged_call_record(
-        ours.CaptureAdmission(rollout_id="r", model_call_id="c", mode="text"),
-        prompt_ids=[1, 2], generated_ids=[3], generated_logprobs=[-0.7], weight_version=1,
-        extras={"x": None},
-    ).model_dump())
+    record = gym.StagedCallRecord(
+        **ours.make_staged_call_record(
+            ours.CaptureAdmission(rollout_id="r", model_call_id="c", mode="text"),
+            prompt_ids=[1, 2],
+            generated_ids=[3],
+            generated_logprobs=[-0.7],
+            weight_version=1,
+            extras={"x": None},
+        ).model_dump()
+    )
     result = sink.stage(record)
     assert type(result) is gym.StageResult and result.ok and result.staging_key == "r/c"
     failed = sink.stage(record, attachments={"imgs": torch.zeros(1)})
@@ -111,11 +137,18 @@ def test_sink_returns_gyms_stage_result_for_gyms_records(client) -> None:
 def test_a_rejected_stage_poisons_gyms_capture_without_failing_the_call(client) -> None:
     host = gym.CaptureHost()
     capture = gym.install_capture(
-        host, sink=TQTokenSink(client, staging_partition=TEXT_PARTITION), weight_version_fn=lambda: 0
+        host,
+        sink=TQTokenSink(client, staging_partition=TEXT_PARTITION),
+        weight_version_fn=lambda: 0,
     )
-    active = capture.begin_call(gym.CaptureAdmission(rollout_id="r", model_call_id="c", mode="text"))
+    active = capture.begin_call(
+        gym.CaptureAdmission(rollout_id="r", model_call_id="c", mode="text")
+    )
     coords = capture.complete_call(
-        active, prompt_token_ids=[1], generated_token_ids=[2], generated_logprobs=[-0.5],
+        active,
+        prompt_token_ids=[1],
+        generated_token_ids=[2],
+        generated_logprobs=[-0.5],
         attachments={"imgs": torch.zeros(1, 4, 12), "imgs_sizes": torch.tensor([[4, 4]])},
     )
     assert coords.disposition == "capture_failed" and coords.staging_key is None
@@ -123,13 +156,26 @@ def test_a_rejected_stage_poisons_gyms_capture_without_failing_the_call(client) 
 
 def test_gym_capture_media_attachments_land_with_the_tokens(client) -> None:
     host = gym.CaptureHost()
-    sink = TQTokenSink(client, staging_partition=MEDIA_PARTITION, capture_media=True,
-                       media_pixel_dtype=torch.float32)
+    sink = TQTokenSink(
+        client,
+        staging_partition=MEDIA_PARTITION,
+        capture_media=True,
+        media_pixel_dtype=torch.float32,
+    )
     capture = gym.install_capture(host, sink=sink, weight_version_fn=lambda: 0)
-    active = capture.begin_call(gym.CaptureAdmission(rollout_id="r", model_call_id="c", mode="text"))
-    pixels = {"imgs": torch.randn(1, 4, 12), "imgs_sizes": torch.tensor([[4, 4]], dtype=torch.int32)}
+    active = capture.begin_call(
+        gym.CaptureAdmission(rollout_id="r", model_call_id="c", mode="text")
+    )
+    pixels = {
+        "imgs": torch.randn(1, 4, 12),
+        "imgs_sizes": torch.tensor([[4, 4]], dtype=torch.int32),
+    }
     coords = capture.complete_call(
-        active, prompt_token_ids=[1], generated_token_ids=[2], generated_logprobs=[-0.5], attachments=pixels,
+        active,
+        prompt_token_ids=[1],
+        generated_token_ids=[2],
+        generated_logprobs=[-0.5],
+        attachments=pixels,
     )
     assert coords.disposition == "staged"
     source = TQTokenSource(client, staging_partition=MEDIA_PARTITION, capture_media=True)
@@ -148,8 +194,13 @@ def test_gym_admissions_resolve_through_our_cache(client, worker) -> None:
     source = TQTokenSource(client, staging_partition=TEXT_PARTITION)
     coords, sequence = _run_rollout(worker, source, "r", turns=2)
     inline = gym.CaptureAdmission(
-        rollout_id="r", model_call_id="x", parent_call_id="call-1", prev_len=len(sequence), mode="token_in",
-        required_prefix_token_ids=sequence, parent_chain_hash=coords[-1].chain_hash,
+        rollout_id="r",
+        model_call_id="x",
+        parent_call_id="call-1",
+        prev_len=len(sequence),
+        mode="token_in",
+        required_prefix_token_ids=sequence,
+        parent_chain_hash=coords[-1].chain_hash,
     )
     cache = ChainPrefixCache(source)
     assert resolve_admission_prefix(inline, cache) == sequence
@@ -164,7 +215,11 @@ def test_golden_vectors_agree_with_gyms_shipped_json() -> None:
 
 
 def _random_extras(rng: random.Random, depth: int = 0):
-    kinds = ["none", "bool", "int", "float", "str", "list", "dict"] if depth < 3 else ["int", "float", "str"]
+    kinds = (
+        ["none", "bool", "int", "float", "str", "list", "dict"]
+        if depth < 3
+        else ["int", "float", "str"]
+    )
     kind = rng.choice(kinds)
     if kind == "none":
         return None
@@ -178,7 +233,9 @@ def _random_extras(rng: random.Random, depth: int = 0):
         return "".join(rng.choice("aé€𝄞z/ ") for _ in range(rng.randint(0, 6)))
     if kind == "list":
         return [_random_extras(rng, depth + 1) for _ in range(rng.randint(0, 20))]
-    return {f"k{rng.randint(0, 9)}é": _random_extras(rng, depth + 1) for _ in range(rng.randint(0, 4))}
+    return {
+        f"k{rng.randint(0, 9)}é": _random_extras(rng, depth + 1) for _ in range(rng.randint(0, 4))
+    }
 
 
 def test_our_digests_equal_gyms_on_random_cases() -> None:
@@ -188,17 +245,29 @@ def test_our_digests_equal_gyms_on_random_cases() -> None:
         carry = rng.randint(0, n - 1)
         ids = [rng.choice([rng.randint(0, 2**64 - 1), rng.randint(0, 200_000)]) for _ in range(n)]
         mask = [0.0] * carry + [1.0] * (n - carry)
-        logprobs = [0.0] * carry + [rng.choice([-rng.expovariate(1.0), -0.0, -1e-40]) for _ in range(n - carry)]
+        logprobs = [0.0] * carry + [
+            rng.choice([-rng.expovariate(1.0), -0.0, -1e-40]) for _ in range(n - carry)
+        ]
         extras = {"e": _random_extras(rng)} if case % 3 else None
         child = case % 2 == 1
-        fields = dict(
-            schema_version=2, digest_version=2, extras_digest_version=1,
-            rollout_id=f"roll-{case}-é", model_call_id=f"call/{case}", parent_call_id="p" if child else None,
-            mode="token_in" if child else "text", prev_len=rng.randint(1, 99) if child else 0, delta_len=n,
-            weight_version=rng.randint(0, 2**40), token_ids_delta=ids, token_mask_delta=mask,
-            generation_log_probs_delta=logprobs, extras_digest=gym.compute_extras_digest(extras),
-            chain_hash=gym.compute_chain_hash(None, ids), cumulative_hash=gym.hash_token_ids(ids),
-        )
+        fields = {
+            "schema_version": 2,
+            "digest_version": 2,
+            "extras_digest_version": 1,
+            "rollout_id": f"roll-{case}-é",
+            "model_call_id": f"call/{case}",
+            "parent_call_id": "p" if child else None,
+            "mode": "token_in" if child else "text",
+            "prev_len": rng.randint(1, 99) if child else 0,
+            "delta_len": n,
+            "weight_version": rng.randint(0, 2**40),
+            "token_ids_delta": ids,
+            "token_mask_delta": mask,
+            "generation_log_probs_delta": logprobs,
+            "extras_digest": gym.compute_extras_digest(extras),
+            "chain_hash": gym.compute_chain_hash(None, ids),
+            "cumulative_hash": gym.hash_token_ids(ids),
+        }
         fields["cum_len"] = fields["prev_len"] + n
         assert ours.compute_extras_digest(extras) == fields["extras_digest"]
         assert ours.compute_chain_hash(None, ids) == fields["chain_hash"]

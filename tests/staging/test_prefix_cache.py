@@ -82,10 +82,17 @@ def test_resolve_admission_prefix_dispatches_on_admission_shape() -> None:
     cache = ChainPrefixCache(source)
     text = CaptureAdmission(rollout_id="r", model_call_id="c", mode="text")
     inline = CaptureAdmission(
-        rollout_id="r", model_call_id="c", parent_call_id="p", prev_len=2, mode="token_in",
-        required_prefix_token_ids=[7, 8], parent_chain_hash="a" * 64,
+        rollout_id="r",
+        model_call_id="c",
+        parent_call_id="p",
+        prev_len=2,
+        mode="token_in",
+        required_prefix_token_ids=[7, 8],
+        parent_chain_hash="a" * 64,
     )
-    chained = inline.model_copy(update={"staging_chain": ["k3", "k4"], "required_prefix_token_ids": []})
+    chained = inline.model_copy(
+        update={"staging_chain": ["k3", "k4"], "required_prefix_token_ids": []}
+    )
     assert resolve_admission_prefix(text, cache) == []
     assert resolve_admission_prefix(inline, cache) == [7, 8]
     assert resolve_admission_prefix(chained, cache) == [3, 4]

@@ -19,12 +19,16 @@ TRAIN = "train"
 
 @pytest.fixture
 def train_partition(client):
-    client.inner.register_partition(partition_id=TRAIN, fields=[*REASSEMBLED_FIELDS, *REASSEMBLED_MEDIA_FIELDS])
+    client.inner.register_partition(
+        partition_id=TRAIN, fields=[*REASSEMBLED_FIELDS, *REASSEMBLED_MEDIA_FIELDS]
+    )
     return TRAIN
 
 
 def _read(client, meta, fields):
-    return client.inner.get_samples(sample_ids=meta.sample_ids, partition_id=TRAIN, select_fields=fields)
+    return client.inner.get_samples(
+        sample_ids=meta.sample_ids, partition_id=TRAIN, select_fields=fields
+    )
 
 
 def _stage_rollout(sink, chain, rollout_id, reward=1.0, **kwargs):
@@ -34,7 +38,9 @@ def _stage_rollout(sink, chain, rollout_id, reward=1.0, **kwargs):
     return records, make_rollout_receipt(records, reward=reward)
 
 
-def test_a_clean_group_becomes_verified_training_rows(client, text_sink, chain, train_partition) -> None:
+def test_a_clean_group_becomes_verified_training_rows(
+    client, text_sink, chain, train_partition
+) -> None:
     receipts = [_stage_rollout(text_sink, chain, f"r{i}", reward=float(i))[1] for i in range(3)]
     client.calls.clear()
     reassembler = RolloutReassembler(client, staging_partition=TEXT_PARTITION)
@@ -45,36 +51,55 @@ def test_a_clean_group_becomes_verified_training_rows(client, text_sink, chain, 
     assert td["input_ids"][1].tolist() == [1, 2, 3, 4, 5, 6]
     assert td["token_mask"][1].tolist() == [0.0, 0.0, 1.0, 0.0, 1.0, 1.0]
     assert td["generation_logprobs"][1].tolist() == [0.0, 0.0, -0.5, 0.0, -0.25, -0.125]
-    assert td["sample_mask"].tolist() == [1.0, 1.0, 1.0] and td["total_reward"].tolist() == [0.0, 1.0, 2.0]
+    assert td["sample_mask"].tolist() == [1.0, 1.0, 1.0] and td["total_reward"].tolist() == [
+        0.0,
+        1.0,
+        2.0,
+    ]
     assert [t[STATUS_TAG] for t in meta.tags] == ["ok"] * 3
 
 
-def test_bad_rollouts_become_placeholders_never_skips_or_crashes(client, text_sink, chain, train_partition) -> None:
+def test_bad_rollouts_become_placeholders_never_skips_or_crashes(
+    client, text_sink, chain, train_partition
+) -> None:
     _, good = _stage_rollout(text_sink, chain, "good")
     _, poisoned = _stage_rollout(text_sink, chain, "poisoned")
     poisoned = poisoned.model_copy(update={"capture_poisoned": True})
     _, missing = _stage_rollout(text_sink, chain, "missing")
     text_sink.clear(["missing/c1"])
     _, corrupt = _stage_rollout(text_sink, chain, "corrupt")
-    client.inner.put_samples(sample_ids=["corrupt/c0"], partition_id=TEXT_PARTITION,
-                             fields={"token_ids_delta": torch.tensor([[1, 2, 9]])})
+    client.inner.put_samples(
+        sample_ids=["corrupt/c0"],
+        partition_id=TEXT_PARTITION,
+        fields={"token_ids_delta": torch.tensor([[1, 2, 9]])},
+    )
     _, lying = _stage_rollout(text_sink, chain, "lying")
     rows = list(lying.manifest)
     rows[1] = rows[1].model_copy(update={"weight_version": 7})
     lying = lying.model_copy(update={"manifest": rows})
 
     reassembler = RolloutReassembler(client, staging_partition=TEXT_PARTITION, pad_token_id=0)
-    meta = reassembler.finalize_group([good, poisoned, missing, corrupt, lying, "garbage"], partition_id=TRAIN)
+    meta = reassembler.finalize_group(
+        [good, poisoned, missing, corrupt, lying, "garbage"], partition_id=TRAIN
+    )
     statuses = [t[STATUS_TAG] for t in meta.tags]
-    assert statuses == ["ok", "capture_poisoned", "fetch_failed", "fetch_failed", "wrong_weight_version",
-                        "invalid_receipt"]
+    assert statuses == [
+        "ok",
+        "capture_poisoned",
+        "fetch_failed",
+        "fetch_failed",
+        "wrong_weight_version",
+        "invalid_receipt",
+    ]
     td = _read(client, meta, ["sample_mask", "input_ids", "input_lengths", "total_reward"])
     assert td["sample_mask"].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     assert td["input_lengths"].tolist() == [6, 1, 1, 1, 1, 1]
     assert td["input_ids"][1].tolist() == [0] and td["total_reward"].tolist()[1:] == [0.0] * 5
 
 
-def test_clear_staged_drops_the_groups_staging_rows(client, text_sink, text_source, chain, train_partition) -> None:
+def test_clear_staged_drops_the_groups_staging_rows(
+    client, text_sink, text_source, chain, train_partition
+) -> None:
     records, receipt = _stage_rollout(text_sink, chain, "r")
     RolloutReassembler(client, staging_partition=TEXT_PARTITION, clear_staged=True).finalize_group(
         [receipt], partition_id=TRAIN, sample_ids=["s0"]
@@ -83,7 +108,9 @@ def test_clear_staged_drops_the_groups_staging_rows(client, text_sink, text_sour
         text_source.fetch([records[0].staging_key])
 
 
-def test_media_along_the_chain_lands_in_the_training_row(client, media_sink, chain, media, train_partition) -> None:
+def test_media_along_the_chain_lands_in_the_training_row(
+    client, media_sink, chain, media, train_partition
+) -> None:
     records = chain("m", [([1, 2], [3], [-0.5]), ([4], [5], [-0.5]), ([6], [7], [-0.5])])
     bundles = [media.still(frames=1), None, media.video(frames=2)]
     for record, bundle in zip(records, bundles):
@@ -91,9 +118,9 @@ def test_media_along_the_chain_lands_in_the_training_row(client, media_sink, cha
     text_records = chain("t", [([1], [2], [-0.5])])
     assert media_sink.stage(text_records[0]).ok
     receipts = [make_rollout_receipt(records), make_rollout_receipt(text_records)]
-    meta = RolloutReassembler(client, staging_partition=MEDIA_PARTITION, capture_media=True).finalize_group(
-        receipts, partition_id=TRAIN
-    )
+    meta = RolloutReassembler(
+        client, staging_partition=MEDIA_PARTITION, capture_media=True
+    ).finalize_group(receipts, partition_id=TRAIN)
     assert [t[STATUS_TAG] for t in meta.tags] == ["ok", "ok"]
     td = _read(client, meta, list(REASSEMBLED_MEDIA_FIELDS))
     want = torch.cat([bundles[0]["imgs"][0], bundles[2]["imgs"][0]])

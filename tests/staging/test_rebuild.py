@@ -18,24 +18,38 @@ from tq_plugin.staging import (
 def _branched():
     root = make_staged_call_record(
         CaptureAdmission(rollout_id="r", model_call_id="root", mode="text"),
-        prompt_ids=[10, 11], generated_ids=[12], generated_logprobs=[-0.1], weight_version=3,
+        prompt_ids=[10, 11],
+        generated_ids=[12],
+        generated_logprobs=[-0.1],
+        weight_version=3,
     )
 
     def child(call, carry, generated, logprobs, wv):
         admission = CaptureAdmission(
-            rollout_id="r", model_call_id=call, parent_call_id="root", prev_len=3, mode="token_in",
-            required_prefix_token_ids=[10, 11, 12], parent_chain_hash=root.chain_hash,
+            rollout_id="r",
+            model_call_id=call,
+            parent_call_id="root",
+            prev_len=3,
+            mode="token_in",
+            required_prefix_token_ids=[10, 11, 12],
+            parent_chain_hash=root.chain_hash,
         )
         return make_staged_call_record(
-            admission, prompt_ids=[10, 11, 12, *carry], generated_ids=generated,
-            generated_logprobs=logprobs, weight_version=wv,
+            admission,
+            prompt_ids=[10, 11, 12, *carry],
+            generated_ids=generated,
+            generated_logprobs=logprobs,
+            weight_version=wv,
         )
 
     main = child("main", [20], [21], [-0.2], 4)
     sibling = child("sibling", [30], [31, 32], [-0.3, -0.4], 99)
     records = [root, main, sibling]
     receipt = RolloutReceipt(
-        rollout_id="r", reward=1.0, terminal_model_call_id="main", terminal_selection="declared",
+        rollout_id="r",
+        reward=1.0,
+        terminal_model_call_id="main",
+        terminal_selection="declared",
         manifest=[call_record_for(r) for r in records],
     )
     return receipt, [r.to_base_snapshot() for r in records]
@@ -116,21 +130,37 @@ def test_non_base_snapshot_values_are_rejected() -> None:
 
 def test_poisoned_failed_and_unsupported_receipts_are_rejected() -> None:
     receipt, snapshots = _branched()
-    assert _code(receipt.model_copy(update={"capture_poisoned": True}), snapshots) == "capture_poisoned"
+    assert (
+        _code(receipt.model_copy(update={"capture_poisoned": True}), snapshots)
+        == "capture_poisoned"
+    )
     failed = receipt.model_copy(update={"capture_poisoned": True, "failure_reason": "x"})
     assert _code(failed, snapshots) == "rollout_failed"
-    assert _code(receipt.model_copy(update={"schema_version": 1}), snapshots) == "unsupported_schema"
-    assert _code(receipt.model_copy(update={"digest_version": 1}), snapshots) == "unsupported_digest"
-    assert _code(receipt.model_copy(update={"extras_digest_version": 2}), snapshots) == "unsupported_extras_digest"
+    assert (
+        _code(receipt.model_copy(update={"schema_version": 1}), snapshots) == "unsupported_schema"
+    )
+    assert (
+        _code(receipt.model_copy(update={"digest_version": 1}), snapshots) == "unsupported_digest"
+    )
+    assert (
+        _code(receipt.model_copy(update={"extras_digest_version": 2}), snapshots)
+        == "unsupported_extras_digest"
+    )
     assert _code(receipt.model_copy(update={"manifest": []}), []) == "empty_manifest"
 
 
 def test_manifest_duplicates_are_rejected() -> None:
     receipt, snapshots = _branched()
     rows = receipt.manifest
-    assert _code(receipt.model_copy(update={"manifest": [rows[0], rows[0]]}), snapshots[:2]) == "duplicate_manifest_row"
+    assert (
+        _code(receipt.model_copy(update={"manifest": [rows[0], rows[0]]}), snapshots[:2])
+        == "duplicate_manifest_row"
+    )
     same_key = rows[1].model_copy(update={"staging_key": rows[0].staging_key})
-    assert _code(receipt.model_copy(update={"manifest": [rows[0], same_key]}), snapshots[:2]) == "duplicate_staging_key"
+    assert (
+        _code(receipt.model_copy(update={"manifest": [rows[0], same_key]}), snapshots[:2])
+        == "duplicate_staging_key"
+    )
 
 
 def test_missing_terminal_is_rejected() -> None:
@@ -142,13 +172,23 @@ def test_missing_terminal_is_rejected() -> None:
 
 def test_missing_parent_and_empty_generation_are_rejected() -> None:
     receipt, snapshots = _branched()
-    assert _code(receipt.model_copy(update={"manifest": receipt.manifest[1:]}), snapshots[1:]) == "missing_parent"
+    assert (
+        _code(receipt.model_copy(update={"manifest": receipt.manifest[1:]}), snapshots[1:])
+        == "missing_parent"
+    )
     carry_only = make_staged_call_record(
         CaptureAdmission(rollout_id="r", model_call_id="root", mode="text"),
-        prompt_ids=[10, 11, 12], generated_ids=[], generated_logprobs=[], weight_version=3,
+        prompt_ids=[10, 11, 12],
+        generated_ids=[],
+        generated_logprobs=[],
+        weight_version=3,
     )
-    lone = RolloutReceipt(rollout_id="r", terminal_model_call_id="root", terminal_selection="declared",
-                          manifest=[call_record_for(carry_only)])
+    lone = RolloutReceipt(
+        rollout_id="r",
+        terminal_model_call_id="root",
+        terminal_selection="declared",
+        manifest=[call_record_for(carry_only)],
+    )
     assert _code(lone, [carry_only.to_base_snapshot()]) == "empty_generation"
 
 
@@ -157,21 +197,32 @@ def test_out_of_order_mask_is_rejected() -> None:
 
     record = make_staged_call_record(
         CaptureAdmission(rollout_id="r", model_call_id="root", mode="text"),
-        prompt_ids=[], generated_ids=[1, 2, 3], generated_logprobs=[-0.5, -0.5, -0.5], weight_version=0,
+        prompt_ids=[],
+        generated_ids=[1, 2, 3],
+        generated_logprobs=[-0.5, -0.5, -0.5],
+        weight_version=0,
     )
     fields = record.model_dump(exclude={"extras", "digest"})
     fields.update(token_mask_delta=[1.0, 0.0, 1.0], generation_log_probs_delta=[-0.5, 0.0, -0.5])
     fields["digest"] = compute_staging_digest(**fields)
     snapshot = type(record.to_base_snapshot())(**fields)
-    receipt = RolloutReceipt(rollout_id="r", terminal_model_call_id="root", terminal_selection="declared",
-                             manifest=[call_record_for(snapshot)])
+    receipt = RolloutReceipt(
+        rollout_id="r",
+        terminal_model_call_id="root",
+        terminal_selection="declared",
+        manifest=[call_record_for(snapshot)],
+    )
     assert _code(receipt, [snapshot]) == "invalid_mask_order"
 
 
 def test_chained_receipt_verifies_and_broken_links_are_caught(chain) -> None:
     records = chain("r", [([1, 2], [3], [-0.5]), ([4], [5], [-0.5]), ([6], [7], [-0.5])])
-    receipt = RolloutReceipt(rollout_id="r", terminal_model_call_id="c2", terminal_selection="declared",
-                             manifest=[call_record_for(r) for r in records])
+    receipt = RolloutReceipt(
+        rollout_id="r",
+        terminal_model_call_id="c2",
+        terminal_selection="declared",
+        manifest=[call_record_for(r) for r in records],
+    )
     snapshots = [r.to_base_snapshot() for r in records]
     assert verify_and_linearize(receipt, snapshots).token_ids == [1, 2, 3, 4, 5, 6, 7]
 
@@ -188,4 +239,6 @@ def test_chained_receipt_verifies_and_broken_links_are_caught(chain) -> None:
 
     assert _code(*reseal(1, chain_hash="0" * 64)) == "chain_hash_mismatch"
     assert _code(*reseal(2, cumulative_hash="0" * 64)) == "cumulative_hash_mismatch"
-    assert _code(*reseal(1, prev_len=2, cum_len=2 + records[1].delta_len)) == "parent_length_mismatch"
+    assert (
+        _code(*reseal(1, prev_len=2, cum_len=2 + records[1].delta_len)) == "parent_length_mismatch"
+    )

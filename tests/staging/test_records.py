@@ -41,12 +41,34 @@ PARENT_HASH = "a" * 64
 @pytest.mark.parametrize(
     "fields,match",
     [
-        ({"mode": "token_in", "parent_call_id": "p", "prev_len": 2, "required_prefix_token_ids": [1],
-          "parent_chain_hash": PARENT_HASH}, "length must equal prev_len"),
-        ({"mode": "token_in", "parent_call_id": "p", "prev_len": 1, "required_prefix_token_ids": [1]},
-         "parent's chain hash"),
-        ({"mode": "token_in", "prev_len": 1, "required_prefix_token_ids": [1], "parent_chain_hash": PARENT_HASH},
-         "requires a parent_call_id"),
+        (
+            {
+                "mode": "token_in",
+                "parent_call_id": "p",
+                "prev_len": 2,
+                "required_prefix_token_ids": [1],
+                "parent_chain_hash": PARENT_HASH,
+            },
+            "length must equal prev_len",
+        ),
+        (
+            {
+                "mode": "token_in",
+                "parent_call_id": "p",
+                "prev_len": 1,
+                "required_prefix_token_ids": [1],
+            },
+            "parent's chain hash",
+        ),
+        (
+            {
+                "mode": "token_in",
+                "prev_len": 1,
+                "required_prefix_token_ids": [1],
+                "parent_chain_hash": PARENT_HASH,
+            },
+            "requires a parent_call_id",
+        ),
         ({"mode": "text", "required_prefix_token_ids": [1]}, "text admission"),
         ({"mode": "text", "staging_chain": ["k"]}, "text admission"),
         ({"mode": "text", "parent_chain_hash": PARENT_HASH}, "text admission"),
@@ -60,13 +82,21 @@ def test_admission_rules(fields: dict, match: str) -> None:
 
 def test_admission_with_a_staging_chain_skips_the_inline_length_check() -> None:
     CaptureAdmission(
-        rollout_id="r", model_call_id="c", parent_call_id="p", prev_len=2, mode="token_in",
-        staging_chain=["r/p"], required_prefix_token_ids=[1], parent_chain_hash=PARENT_HASH,
+        rollout_id="r",
+        model_call_id="c",
+        parent_call_id="p",
+        prev_len=2,
+        mode="token_in",
+        staging_chain=["r/p"],
+        required_prefix_token_ids=[1],
+        parent_chain_hash=PARENT_HASH,
     )
 
 
 def test_staged_record_and_snapshot_round_trip(chain) -> None:
-    root, child = chain("r", [([1, 2], [3], [-0.5]), ([4], [5, 6], [-0.1, -0.2])], extras=[{"a": 1}, None])
+    root, child = chain(
+        "r", [([1, 2], [3], [-0.5]), ([4], [5, 6], [-0.1, -0.2])], extras=[{"a": 1}, None]
+    )
     base = root.to_base_snapshot()
     assert type(base) is StagedCallBaseSnapshot and base.staging_key == "r/c0"
     assert base.model_dump() == root.model_dump(exclude={"extras"})
@@ -77,8 +107,14 @@ def test_staged_record_and_snapshot_round_trip(chain) -> None:
 
 @pytest.mark.parametrize(
     "field,value",
-    [("schema_version", 1), ("schema_version", 3), ("digest_version", 1), ("digest_version", 3),
-     ("extras_digest_version", 0), ("extras_digest_version", 2)],
+    [
+        ("schema_version", 1),
+        ("schema_version", 3),
+        ("digest_version", 1),
+        ("digest_version", 3),
+        ("extras_digest_version", 0),
+        ("extras_digest_version", 2),
+    ],
 )
 def test_wire_records_reject_old_and_new_versions(chain, field: str, value: int) -> None:
     (root,) = chain("r", [([1], [2], [-0.5])])
@@ -138,9 +174,19 @@ def test_stage_result_rules() -> None:
 
 
 def _coords(**changes) -> CommitCoords:
-    base = dict(rollout_id="r", model_call_id="c", prev_len=0, delta_len=2, cum_len=2, weight_version=0,
-                digest="1" * 64, extras_digest="2" * 64, staging_key="r/c", chain_hash="3" * 64,
-                cumulative_hash="4" * 64)
+    base = {
+        "rollout_id": "r",
+        "model_call_id": "c",
+        "prev_len": 0,
+        "delta_len": 2,
+        "cum_len": 2,
+        "weight_version": 0,
+        "digest": "1" * 64,
+        "extras_digest": "2" * 64,
+        "staging_key": "r/c",
+        "chain_hash": "3" * 64,
+        "cumulative_hash": "4" * 64,
+    }
     return CommitCoords(**{**base, **changes})
 
 
@@ -150,7 +196,13 @@ def test_coords_enforce_staged_and_failed_shapes() -> None:
         _coords(chain_hash=None)
     with pytest.raises(ValidationError, match="cannot carry staged payload"):
         _coords(disposition="capture_failed", delta_len=0, cum_len=0)
-    none = dict(digest=None, extras_digest=None, staging_key=None, chain_hash=None, cumulative_hash=None)
+    none = {
+        "digest": None,
+        "extras_digest": None,
+        "staging_key": None,
+        "chain_hash": None,
+        "cumulative_hash": None,
+    }
     _coords(disposition="capture_failed", delta_len=0, cum_len=0, **none)
     with pytest.raises(ValidationError, match="cannot carry token deltas"):
         _coords(disposition="capture_failed", **none)
@@ -176,8 +228,12 @@ def test_call_record_rules_and_the_token_in_default(chain) -> None:
 
 def _receipt(chain, **changes) -> RolloutReceipt:
     (root,) = chain("r", [([1], [2], [-1.0])])
-    base = dict(rollout_id="r", terminal_model_call_id="c0", manifest=[call_record_for(root)],
-                terminal_selection="declared")
+    base = {
+        "rollout_id": "r",
+        "terminal_model_call_id": "c0",
+        "manifest": [call_record_for(root)],
+        "terminal_selection": "declared",
+    }
     return RolloutReceipt(**{**base, **changes})
 
 
@@ -188,20 +244,29 @@ def _receipt(chain, **changes) -> RolloutReceipt:
         ({"failure_reason": "x"}, "unpoisoned receipt cannot carry a failure_reason"),
         ({"terminal_selection": None}, "must name terminal_model_call_id"),
         ({"capture_poisoned": True, "terminal_selection": None}, "requires a terminal_selection"),
-        ({"capture_poisoned": True, "terminal_selection": None, "terminal_model_call_id": None},
-         "must be poisoned with a failure_reason"),
+        (
+            {"capture_poisoned": True, "terminal_selection": None, "terminal_model_call_id": None},
+            "must be poisoned with a failure_reason",
+        ),
         ({"terminal_selection": "guess"}, "terminal_selection"),
         ({"reward": float("inf")}, "finite"),
     ],
 )
-def test_rollout_receipt_rejects_inconsistent_attribution_state(chain, changes: dict, match: str) -> None:
+def test_rollout_receipt_rejects_inconsistent_attribution_state(
+    chain, changes: dict, match: str
+) -> None:
     with pytest.raises(ValidationError, match=match):
         _receipt(chain, **changes)
 
 
 def test_rollout_receipt_accepts_poisoned_states(chain) -> None:
-    _receipt(chain, capture_poisoned=True, terminal_selection=None, terminal_model_call_id=None,
-             failure_reason="worker_capture_failed")
+    _receipt(
+        chain,
+        capture_poisoned=True,
+        terminal_selection=None,
+        terminal_model_call_id=None,
+        failure_reason="worker_capture_failed",
+    )
     kept = _receipt(chain, capture_poisoned=True)
     assert kept.terminal_model_call_id == "c0"
     manifest = _receipt(chain).manifest

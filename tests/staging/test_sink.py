@@ -22,7 +22,9 @@ def _put_fields(client) -> list[set[str]]:
     return [set(put["fields"]) for put in client.of("put_samples")]
 
 
-def test_media_rows_round_trip_in_a_single_put(client, media_sink, media_source, chain, media) -> None:
+def test_media_rows_round_trip_in_a_single_put(
+    client, media_sink, media_source, chain, media
+) -> None:
     still, vid, text = (chain(f"r{i}", [([1, 2], [3], [-0.5])])[0] for i in range(3))
     assert media_sink.stage(still, attachments=media.still()).ok
     assert media_sink.stage(vid, attachments=media.video(frames=1)).ok
@@ -34,10 +36,14 @@ def test_media_rows_round_trip_in_a_single_put(client, media_sink, media_source,
         assert len({put["fields"][column].dtype for put in client.of("put_samples")}) == 1
 
     items = media_source.fetch_for_finalization(["r0/c0", "r1/c0", "r2/c0"])
-    assert [(i.media_present, i.media_has_frames) for i in items] == [(True, False), (True, True), (False, False)]
+    assert [(i.media_present, i.media_has_frames) for i in items] == [
+        (True, False),
+        (True, True),
+        (False, False),
+    ]
     client.calls.clear()
-    got_still, = media_source.fetch_media(items[:1])
-    got_video, = media_source.fetch_media(items[1:2])
+    (got_still,) = media_source.fetch_media(items[:1])
+    (got_video,) = media_source.fetch_media(items[1:2])
     assert [set(g["select_fields"]) for g in client.of("get_samples")] == [
         {"media_imgs", "media_imgs_sizes", "media_num_frames", "media_patch_size"}
     ] * 2
@@ -54,7 +60,9 @@ def test_media_rows_round_trip_in_a_single_put(client, media_sink, media_source,
     assert client.of("get_samples") == []
 
 
-def test_staged_pixels_come_back_bit_exact_in_request_order(media_sink, media_source, chain, media) -> None:
+def test_staged_pixels_come_back_bit_exact_in_request_order(
+    media_sink, media_source, chain, media
+) -> None:
     bundles = [media.still(frames=n) for n in (1, 3, 2)]
     for i, bundle in enumerate(bundles):
         (record,) = chain(f"r{i}", [([1], [2], [-1.0])])
@@ -62,10 +70,14 @@ def test_staged_pixels_come_back_bit_exact_in_request_order(media_sink, media_so
     keys = ["r2/c0", "r0/c0", "r1/c0"]
     got = media_source.fetch_media(media_source.fetch_for_finalization(keys))
     for fetched, want in zip(got, [bundles[2], bundles[0], bundles[1]]):
-        assert torch.equal(fetched.imgs, want["imgs"]) and torch.equal(fetched.imgs_sizes, want["imgs_sizes"])
+        assert torch.equal(fetched.imgs, want["imgs"]) and torch.equal(
+            fetched.imgs_sizes, want["imgs_sizes"]
+        )
 
 
-def test_text_only_partition_never_touches_media_columns(client, text_sink, text_source, chain, media) -> None:
+def test_text_only_partition_never_touches_media_columns(
+    client, text_sink, text_source, chain, media
+) -> None:
     (record,) = chain("r", [([1], [2], [-1.0])])
     assert text_sink.stage(record).ok
     assert not _put_fields(client)[0] & set(MEDIA_STAGING_FIELDS)
@@ -103,7 +115,9 @@ def test_media_sink_needs_a_pixel_dtype(client) -> None:
         TQTokenSink(client, staging_partition=MEDIA_PARTITION, capture_media=True)
 
 
-def test_failed_combined_write_discards_the_attempted_key(client, text_sink, text_source, chain) -> None:
+def test_failed_combined_write_discards_the_attempted_key(
+    client, text_sink, text_source, chain
+) -> None:
     (record,) = chain("r", [([1], [2], [-1.0])])
     client.fail_put = OSError("controller down")
     result = text_sink.stage(record)
@@ -153,7 +167,9 @@ def test_negative_zero_logprob_keeps_its_sign_bit(text_sink, text_source, chain)
 
 
 @pytest.mark.parametrize("value", [1, 1.0, True, {}, None, [1, 1.0, True], "é"])
-def test_extras_json_round_trips_values_that_look_alike(text_sink, text_source, chain, value) -> None:
+def test_extras_json_round_trips_values_that_look_alike(
+    text_sink, text_source, chain, value
+) -> None:
     (record,) = chain("r", [([1], [2], [-1.0])], extras=[{"v": value, "n": None}])
     assert text_sink.stage(record).ok
     (item,) = text_source.fetch_for_finalization(["r/c0"])
@@ -162,8 +178,8 @@ def test_extras_json_round_trips_values_that_look_alike(text_sink, text_source, 
 
 
 def test_none_and_empty_extras_stay_distinct(text_sink, text_source, chain) -> None:
-    none, = chain("a", [([1], [2], [-1.0])], extras=[None])
-    empty, = chain("b", [([1], [2], [-1.0])], extras=[{}])
+    (none,) = chain("a", [([1], [2], [-1.0])], extras=[None])
+    (empty,) = chain("b", [([1], [2], [-1.0])], extras=[{}])
     assert text_sink.stage(none).ok and text_sink.stage(empty).ok
     got = text_source.fetch_for_finalization(["a/c0", "b/c0"])
     assert got[0].extras is None and got[1].extras == {}
@@ -174,8 +190,12 @@ def test_float64_logprobs_are_hashed_as_float32_bits(text_sink, text_source, cha
     assert text_sink.stage(record).ok
     (snapshot,) = text_source.fetch(["r/c0"])
     assert snapshot.generation_log_probs_delta[1] != -0.1  # the float32 value, widened
-    assert snapshot.digest == record.digest == compute_staging_digest(
-        **{**snapshot.model_dump(exclude={"digest"}), "generation_log_probs_delta": [0.0, -0.1]}
+    assert (
+        snapshot.digest
+        == record.digest
+        == compute_staging_digest(
+            **{**snapshot.model_dump(exclude={"digest"}), "generation_log_probs_delta": [0.0, -0.1]}
+        )
     )
 
 

@@ -18,14 +18,19 @@ from .conftest import MEDIA_PARTITION, TEXT_PARTITION
 
 @pytest.fixture
 def staged(text_sink, chain):
-    records = chain("r", [([1, 2], [3], [-0.5]), ([4], [5, 6], [-0.125, -0.25]), ([7], [8], [-0.375])],
-                    weight_versions=[1, 1, 2])
+    records = chain(
+        "r",
+        [([1, 2], [3], [-0.5]), ([4], [5, 6], [-0.125, -0.25]), ([7], [8], [-0.375])],
+        weight_versions=[1, 1, 2],
+    )
     for record in records:
         assert text_sink.stage(record).ok
     return records
 
 
-def test_fetch_returns_base_snapshots_equal_to_the_staged_records(staged, text_source, client) -> None:
+def test_fetch_returns_base_snapshots_equal_to_the_staged_records(
+    staged, text_source, client
+) -> None:
     keys = [r.staging_key for r in staged]
     snapshots = text_source.fetch(keys)
     assert [s.model_dump() for s in snapshots] == [r.model_dump(exclude={"extras"}) for r in staged]
@@ -44,7 +49,9 @@ def test_fetch_missing_key_raises_keyerror(staged, text_source) -> None:
         text_source.fetch(["r/c0", "r/nope"])
 
 
-def test_fetch_for_finalization_is_small_typed_and_identity_preserving(staged, text_source, client) -> None:
+def test_fetch_for_finalization_is_small_typed_and_identity_preserving(
+    staged, text_source, client
+) -> None:
     items = text_source.fetch_for_finalization(["r/c1"])
     assert client.of("get_samples")[0]["select_fields"] == list(STAGING_FIELDS)
     (item,) = items
@@ -80,8 +87,13 @@ def test_a_short_read_is_a_keyerror_never_a_shorter_list(staged, client) -> None
 def test_a_row_stored_under_another_key_is_an_identity_mismatch(text_source, client, chain) -> None:
     (record,) = chain("r", [([1], [2], [-1.0])])
     TQTokenSink(client, staging_partition=TEXT_PARTITION).stage(record)
-    row = client.inner.get_samples(sample_ids=["r/c0"], partition_id=TEXT_PARTITION, select_fields=STAGING_FIELDS)
-    fields = {name: (row[name].values().unsqueeze(0) if row[name].is_nested else row[name]) for name in STAGING_FIELDS}
+    row = client.inner.get_samples(
+        sample_ids=["r/c0"], partition_id=TEXT_PARTITION, select_fields=STAGING_FIELDS
+    )
+    fields = {
+        name: (row[name].values().unsqueeze(0) if row[name].is_nested else row[name])
+        for name in STAGING_FIELDS
+    }
     client.inner.put_samples(sample_ids=["r/other"], partition_id=TEXT_PARTITION, fields=fields)
     with pytest.raises(KeyError, match="identity mismatch"):
         text_source.fetch(["r/other"])
@@ -112,7 +124,9 @@ def test_route_fragments_ride_beside_snapshots_and_verify(text_sink, text_source
         direct.fragment.verify(direct.snapshot.digest)
 
 
-def test_route_read_falls_back_to_the_base_selection_for_the_whole_batch(text_sink, text_source, chain) -> None:
+def test_route_read_falls_back_to_the_base_selection_for_the_whole_batch(
+    text_sink, text_source, chain
+) -> None:
     (plain,) = chain("a", [([1], [2], [-1.0])])
     assert text_sink.stage(plain).ok
     (item,) = text_source.fetch_for_finalization(["a/c0"], include_route_fragments=True)
@@ -127,18 +141,24 @@ def test_media_metadata_tampering_is_detected(media_sink, media_source, client, 
     (record,) = chain("r", [([1], [2], [-1.0])], extras=[{"media_spans": [1, 2]}])
     assert media_sink.stage(record).ok
     client.inner.put_samples(
-        sample_ids=["r/c0"], partition_id=MEDIA_PARTITION,
-        fields={"extras_metadata_json": torch.tensor([list(b'{"media_spans":[9]}')], dtype=torch.uint8)},
+        sample_ids=["r/c0"],
+        partition_id=MEDIA_PARTITION,
+        fields={
+            "extras_metadata_json": torch.tensor([list(b'{"media_spans":[9]}')], dtype=torch.uint8)
+        },
     )
     with pytest.raises(MediaMetadataIntegrityError, match="checksum mismatch"):
         media_source.fetch_for_finalization(["r/c0"])
 
 
-def test_corrupted_token_bytes_fail_snapshot_validation(text_sink, text_source, client, chain) -> None:
+def test_corrupted_token_bytes_fail_snapshot_validation(
+    text_sink, text_source, client, chain
+) -> None:
     (record,) = chain("r", [([1], [2], [-1.0])])
     assert text_sink.stage(record).ok
     client.inner.put_samples(
-        sample_ids=["r/c0"], partition_id=TEXT_PARTITION,
+        sample_ids=["r/c0"],
+        partition_id=TEXT_PARTITION,
         fields={"token_ids_delta": torch.tensor([[1, 9]])},
     )
     with pytest.raises(ValueError, match="digest does not match"):

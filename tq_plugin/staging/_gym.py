@@ -25,7 +25,7 @@ def gym_record_class(name: str) -> type[Any] | None:
             import importlib
 
             module = importlib.import_module(_RECORDS_MODULE)
-        except Exception:  # an incompatible or broken Gym install: fall back to our classes
+        except Exception:  # noqa: BLE001 - a broken Gym install: fall back to our classes
             return None
     return getattr(module, name, None)
 

@@ -59,14 +59,19 @@ def make_staged_call_record(
     ``prefix_token_ids`` is the resolved prefix (``resolve_admission_prefix``); the prompt
     must begin with it, or the call would stage tokens the gate never authorized.
     """
-    prefix = list(admission.required_prefix_token_ids if prefix_token_ids is None else prefix_token_ids)
+    prefix = list(
+        admission.required_prefix_token_ids if prefix_token_ids is None else prefix_token_ids
+    )
     if admission.mode == "token_in":
         if len(prefix) != admission.prev_len:
             raise ValueError(
-                f"prefix_token_ids length {len(prefix)} does not equal prev_len {admission.prev_len}"
+                f"prefix_token_ids length {len(prefix)} does not equal "
+                f"prev_len {admission.prev_len}"
             )
         if list(prompt_ids[: admission.prev_len]) != prefix:
-            raise ValueError("generation prompt does not begin with the gate-authorized token prefix")
+            raise ValueError(
+                "generation prompt does not begin with the gate-authorized token prefix"
+            )
     ids, mask, logprobs = build_staging_delta(
         prompt_ids, admission.prev_len, generated_ids, generated_logprobs
     )
@@ -93,7 +98,9 @@ def make_staged_call_record(
     return StagedCallRecord(**fields, extras=extras_dict)
 
 
-def call_record_for(record: Any, *, staging_key: str | None = None, response_id: str | None = None) -> CallRecord:
+def call_record_for(
+    record: Any, *, staging_key: str | None = None, response_id: str | None = None
+) -> CallRecord:
     """The token-free manifest row of a staged record (ours or Gym's, read by attribute)."""
     return CallRecord(
         model_call_id=record.model_call_id,

@@ -88,7 +88,9 @@ def _as_numpy(values: Any) -> Any:
     return values
 
 
-def token_id_bytes(token_ids: Any, name: str = "token_id", *, check_types: bool = True) -> tuple[int, bytes]:
+def token_id_bytes(
+    token_ids: Any, name: str = "token_id", *, check_types: bool = True
+) -> tuple[int, bytes]:
     """``(count, big-endian u64 bytes)`` of a token column, validated as exact u64 ints.
 
     A list is packed in one C-level ``struct`` call (exact ``int`` only: ``bool`` is rejected,
@@ -137,12 +139,17 @@ def float32_bytes(values: Any, name: str, *, check_types: bool = True) -> tuple[
             raise ValueError(f"{name} values must be a 1-D float column, got {values.dtype}")
         finite = np.isfinite(values)
         if not finite.all():
-            raise ValueError(f"{name} values must be finite Python floats, got {_first_bad(values, finite)!r}")
+            raise ValueError(
+                f"{name} values must be finite Python floats, got {_first_bad(values, finite)!r}"
+            )
         with np.errstate(over="ignore"):
             wire = values.astype(">f4")
         fits = np.isfinite(wire)
         if not fits.all():
-            raise ValueError(f"{name} value cannot be represented as float32: {float(_first_bad(values, fits))!r}")
+            raise ValueError(
+                f"{name} value cannot be represented as float32: "
+                f"{float(_first_bad(values, fits))!r}"
+            )
         return values, wire.tobytes()
     if type(values) is not list:
         values = list(values)
@@ -154,7 +161,9 @@ def float32_bytes(values: Any, name: str, *, check_types: bool = True) -> tuple[
         exact = np.frombuffer(struct.pack(f">{len(values)}d", *values), dtype=">f8")
         finite = np.isfinite(exact)
         if not finite.all():
-            raise ValueError(f"{name} values must be finite Python floats, got {_first_bad(values, finite)!r}")
+            raise ValueError(
+                f"{name} values must be finite Python floats, got {_first_bad(values, finite)!r}"
+            )
         if exact.size and float(np.abs(exact).max()) >= _F32_OVERFLOW:
             bad = next(v for v in values if not _float32_fits(v))
             raise ValueError(f"{name} value cannot be represented as float32: {bad!r}")
@@ -193,7 +202,9 @@ def encode_token_ids(token_ids: Any, *, check_types: bool = True) -> bytes:
 
 def hash_token_ids(token_ids: Any, *, check_types: bool = True) -> str:
     """The cumulative hash: SHA-256(prefix-v2 tag ‖ TOKENS(ids)); an empty list is allowed."""
-    return hashlib.sha256(PREFIX_DOMAIN + encode_token_ids(token_ids, check_types=check_types)).hexdigest()
+    return hashlib.sha256(
+        PREFIX_DOMAIN + encode_token_ids(token_ids, check_types=check_types)
+    ).hexdigest()
 
 
 def compute_chain_hash(
@@ -275,7 +286,7 @@ def encode_extras(extras: Mapping[str, Any] | None) -> bytes:
 
 
 def compute_extras_digest(extras: Mapping[str, Any] | None) -> str:
-    """SHA-256(extras-v1 ‖ 0x01 ‖ ENC(extras)). ``None`` and ``{}`` hash apart, as do 1, 1.0, True."""
+    """SHA-256(extras-v1 ‖ 0x01 ‖ ENC(extras)): None and {} hash apart, as do 1, 1.0, True."""
     return hashlib.sha256(EXTRAS_DOMAIN + b"\x01" + encode_extras(extras)).hexdigest()
 
 

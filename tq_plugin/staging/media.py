@@ -75,13 +75,15 @@ def _check_imgs(imgs: torch.Tensor) -> int:
         )
     if imgs.dim() != 3 or imgs.shape[0] != 1 or imgs.shape[1] == 0:
         raise ValueError(
-            f"media attachment 'imgs' must be [1, total_patches > 0, 3*P*P], got {tuple(imgs.shape)}"
+            "media attachment 'imgs' must be [1, total_patches > 0, 3*P*P], "
+            f"got {tuple(imgs.shape)}"
         )
     features = imgs.shape[2]
     patch = math.isqrt(features // 3) if features % 3 == 0 else 0
     if features == 0 or patch == 0 or 3 * patch * patch != features:
         raise ValueError(
-            f"media attachment 'imgs' feature dim {features} is not 3*P*P for an integer patch size P"
+            f"media attachment 'imgs' feature dim {features} is not 3*P*P for an integer "
+            "patch size P"
         )
     return patch
 
@@ -116,16 +118,27 @@ def validate_media_tensors(attachments: Mapping[str, Any] | None) -> StagedMedia
             raise ValueError(f"media attachments require {name!r}")
     for name, value in attachments.items():
         if value is not None and not isinstance(value, torch.Tensor):
-            raise TypeError(f"media attachment {name!r} must be a torch.Tensor, got {type(value).__name__}")
-    imgs, sizes, frames = attachments["imgs"], attachments["imgs_sizes"], attachments.get("num_frames")
+            raise TypeError(
+                f"media attachment {name!r} must be a torch.Tensor, got {type(value).__name__}"
+            )
+    imgs, sizes, frames = (
+        attachments["imgs"],
+        attachments["imgs_sizes"],
+        attachments.get("num_frames"),
+    )
     patch = _check_imgs(imgs)
     _check_index(sizes, "imgs_sizes", 2)
     if bool((sizes % patch != 0).any()):
-        raise ValueError(f"media attachment 'imgs_sizes' entries must be multiples of the patch size {patch}")
-    described = int((sizes[:, 0].to(torch.int64) * sizes[:, 1].to(torch.int64)).sum()) // (patch * patch)
+        raise ValueError(
+            f"media attachment 'imgs_sizes' entries must be multiples of the patch size {patch}"
+        )
+    described = int((sizes[:, 0].to(torch.int64) * sizes[:, 1].to(torch.int64)).sum()) // (
+        patch * patch
+    )
     if described != imgs.shape[1]:
         raise ValueError(
-            f"media attachment 'imgs_sizes' describe {described} patches but 'imgs' holds {imgs.shape[1]}"
+            f"media attachment 'imgs_sizes' describe {described} patches but 'imgs' holds "
+            f"{imgs.shape[1]}"
         )
     if frames is not None:
         _check_index(frames, "num_frames", 1)
@@ -173,7 +186,9 @@ def _media_columns(
     flags = {MEDIA_PRESENT_FIELD: media is not None, MEDIA_HAS_FRAMES_FIELD: False}
     if media is not None:
         columns[MEDIA_IMGS_FIELD] = media.imgs.detach().cpu().reshape(1, -1)
-        columns[MEDIA_IMGS_SIZES_FIELD] = media.imgs_sizes.detach().cpu().to(torch.int32).unsqueeze(0)
+        columns[MEDIA_IMGS_SIZES_FIELD] = (
+            media.imgs_sizes.detach().cpu().to(torch.int32).unsqueeze(0)
+        )
         columns[MEDIA_PATCH_SIZE_FIELD] = torch.tensor([media.patch_size], dtype=torch.int32)
         if media.num_frames is not None:
             frames = media.num_frames.detach().cpu().to(torch.int32)

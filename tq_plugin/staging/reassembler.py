@@ -43,7 +43,14 @@ logger = logging.getLogger(__name__)
 
 STATUS_TAG = "staging_status"
 STATUS_OK = "ok"
-REASSEMBLED_FIELDS = (INPUT_IDS, INPUT_LENGTHS, TOKEN_MASK, GENERATION_LOGPROBS, SAMPLE_MASK, TOTAL_REWARD)
+REASSEMBLED_FIELDS = (
+    INPUT_IDS,
+    INPUT_LENGTHS,
+    TOKEN_MASK,
+    GENERATION_LOGPROBS,
+    SAMPLE_MASK,
+    TOTAL_REWARD,
+)
 REASSEMBLED_MEDIA_FIELDS = (MEDIA_IMGS_FIELD, MEDIA_IMGS_SIZES_FIELD, MEDIA_NUM_FRAMES_FIELD)
 
 
@@ -145,7 +152,9 @@ class RolloutReassembler:
         return outcome
 
     def _poison(self, outcome: _Outcome, status: str, detail: str) -> None:
-        logger.warning("rollout %s becomes a placeholder row: %s (%s)", outcome.rollout_id, status, detail)
+        logger.warning(
+            "rollout %s becomes a placeholder row: %s (%s)", outcome.rollout_id, status, detail
+        )
         outcome.status, outcome.row, outcome.media = status, None, None
 
     def _fetch(
@@ -155,7 +164,7 @@ class RolloutReassembler:
         keys = {i: [row.staging_key for row in receipts[i].manifest] for i in live}
         try:
             flat = self.source.fetch_for_finalization([k for i in live for k in keys[i]])
-        except Exception:
+        except Exception:  # noqa: BLE001 - any failure: isolate the bad rollouts one by one
             flat = None
         fetched: dict[int, list[FetchedStagedCall]] = {}
         position = 0
@@ -166,7 +175,7 @@ class RolloutReassembler:
                 continue
             try:
                 fetched[i] = self.source.fetch_for_finalization(keys[i])
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - this rollout becomes a placeholder
                 self._poison(outcomes[i], "fetch_failed", f"{type(exc).__name__}: {exc}")
         return fetched
 
@@ -175,10 +184,12 @@ class RolloutReassembler:
             outcome.row = verify_and_linearize(receipt, [call.snapshot for call in calls])
         except ReceiptVerificationError as exc:
             self._poison(outcome, exc.code, str(exc))
-        except Exception as exc:  # a malformed receipt or snapshot: still one row, never a crash
+        except Exception as exc:  # noqa: BLE001 - a malformed receipt: a placeholder, no crash
             self._poison(outcome, "invalid_snapshot", f"{type(exc).__name__}: {exc}")
 
-    def _attach_media(self, outcomes: list[_Outcome], fetched: dict[int, list[FetchedStagedCall]]) -> None:
+    def _attach_media(
+        self, outcomes: list[_Outcome], fetched: dict[int, list[FetchedStagedCall]]
+    ) -> None:
         """Read the chain's media (one read per frames kind) and attach it to each verified row."""
         wanted: dict[int, list[FetchedStagedCall]] = {}
         for i, outcome in enumerate(outcomes):
@@ -192,25 +203,29 @@ class RolloutReassembler:
             items = [c for calls in wanted.values() for c in calls if c.media_has_frames is frames]
             try:
                 bundles.update(zip([c.staging_key for c in items], self.source.fetch_media(items)))
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - isolate the bad rollouts one by one
                 logger.warning("batched media read failed (%s); retrying per rollout", exc)
                 for calls in wanted.values():
                     mine = [c for c in calls if c.media_has_frames is frames]
                     try:
-                        bundles.update(zip([c.staging_key for c in mine], self.source.fetch_media(mine)))
-                    except Exception:
-                        continue
+                        bundles.update(
+                            zip([c.staging_key for c in mine], self.source.fetch_media(mine))
+                        )
+                    except Exception as exc:  # noqa: BLE001 - its rows become placeholders below
+                        logger.warning("media read failed for one rollout: %s", exc)
         for i, calls in wanted.items():
             if all(c.staging_key in bundles for c in calls):
                 outcomes[i].media = [bundles[c.staging_key] for c in calls]
             else:
-                self._poison(outcomes[i], "media_fetch_failed", "a staged media row could not be read")
+                self._poison(
+                    outcomes[i], "media_fetch_failed", "a staged media row could not be read"
+                )
 
     def _batch(self, outcomes: list[_Outcome]) -> dict[str, torch.Tensor]:
         """The group's columns: jagged per-token rows, per-row scalars, and media when present."""
         rows = [o.row for o in outcomes]
 
-        def column(attr: str, pad: float | int, dtype: torch.dtype) -> torch.Tensor:
+        def column(attr: str, pad: float, dtype: torch.dtype) -> torch.Tensor:
             parts = [torch.tensor(getattr(r, attr) if r else [pad], dtype=dtype) for r in rows]
             return nested_from_lengths(torch.cat(parts), lengths)
 
@@ -221,7 +236,9 @@ class RolloutReassembler:
             GENERATION_LOGPROBS: column("logprobs", 0.0, torch.float32),
             INPUT_LENGTHS: lengths,
             SAMPLE_MASK: torch.tensor([1.0 if r else 0.0 for r in rows], dtype=torch.float32),
-            TOTAL_REWARD: torch.tensor([o.reward if o.row else 0.0 for o in outcomes], dtype=torch.float32),
+            TOTAL_REWARD: torch.tensor(
+                [o.reward if o.row else 0.0 for o in outcomes], dtype=torch.float32
+            ),
         }
         if any(o.media for o in outcomes):
             batch.update(_media_batch(outcomes))
@@ -237,12 +254,20 @@ def _media_batch(outcomes: list[_Outcome]) -> dict[str, torch.Tensor]:
     imgs, sizes, frames = [], [], []
     for o in outcomes:
         media = o.media or []
-        imgs.append(torch.cat([m.imgs[0] for m in media]) if media else torch.zeros(0, features, dtype=pixel_dtype))
+        imgs.append(
+            torch.cat([m.imgs[0] for m in media])
+            if media
+            else torch.zeros(0, features, dtype=pixel_dtype)
+        )
         sizes.append(
-            torch.cat([m.imgs_sizes.to(torch.int32) for m in media]) if media else torch.zeros(0, 2, dtype=torch.int32)
+            torch.cat([m.imgs_sizes.to(torch.int32) for m in media])
+            if media
+            else torch.zeros(0, 2, dtype=torch.int32)
         )
         counts = [
-            m.num_frames.to(torch.int32) if m.num_frames is not None else torch.ones(m.imgs_sizes.shape[0], dtype=torch.int32)
+            m.num_frames.to(torch.int32)
+            if m.num_frames is not None
+            else torch.ones(m.imgs_sizes.shape[0], dtype=torch.int32)
             for m in media
         ]
         frames.append(torch.cat(counts) if counts else torch.zeros(0, dtype=torch.int32))

@@ -91,12 +91,16 @@ class LinearizedRow:
 
 
 def _is_snapshot(value: Any) -> bool:
-    return isinstance(value, StagedCallBaseSnapshot) or is_gym_instance(value, "StagedCallBaseSnapshot")
+    return isinstance(value, StagedCallBaseSnapshot) or is_gym_instance(
+        value, "StagedCallBaseSnapshot"
+    )
 
 
 def _check_receipt_state(receipt: Any) -> None:
     if not (isinstance(receipt, RolloutReceipt) or is_gym_instance(receipt, "RolloutReceipt")):
-        raise TypeError(f"verify_and_linearize needs a RolloutReceipt, got {type(receipt).__name__}")
+        raise TypeError(
+            f"verify_and_linearize needs a RolloutReceipt, got {type(receipt).__name__}"
+        )
     for attr, expected, code in (
         ("schema_version", STAGING_SCHEMA_VERSION, "unsupported_schema"),
         ("digest_version", STAGING_DIGEST_VERSION, "unsupported_digest"),
@@ -107,15 +111,23 @@ def _check_receipt_state(receipt: Any) -> None:
     if receipt.failure_reason:
         raise ReceiptVerificationError("rollout_failed", str(receipt.failure_reason))
     if receipt.capture_poisoned:
-        raise ReceiptVerificationError("capture_poisoned", f"rollout {receipt.rollout_id!r} is poisoned")
+        raise ReceiptVerificationError(
+            "capture_poisoned", f"rollout {receipt.rollout_id!r} is poisoned"
+        )
     if not receipt.manifest:
-        raise ReceiptVerificationError("empty_manifest", f"rollout {receipt.rollout_id!r} has no calls")
+        raise ReceiptVerificationError(
+            "empty_manifest", f"rollout {receipt.rollout_id!r} has no calls"
+        )
     ids = [row.model_call_id for row in receipt.manifest]
     if len(set(ids)) != len(ids):
-        raise ReceiptVerificationError("duplicate_manifest_row", "model_call_id repeats in the manifest")
+        raise ReceiptVerificationError(
+            "duplicate_manifest_row", "model_call_id repeats in the manifest"
+        )
     keys = [row.staging_key for row in receipt.manifest]
     if len(set(keys)) != len(keys):
-        raise ReceiptVerificationError("duplicate_staging_key", "staging_key repeats in the manifest")
+        raise ReceiptVerificationError(
+            "duplicate_staging_key", "staging_key repeats in the manifest"
+        )
 
 
 def _check_snapshots(receipt: Any, snapshots: Sequence[Any]) -> None:
@@ -128,22 +140,30 @@ def _check_snapshots(receipt: Any, snapshots: Sequence[Any]) -> None:
     seen: set[str] = set()
     for row, snap in zip(manifest, snapshots):
         if not _is_snapshot(snap):
-            raise TypeError(f"snapshots must be StagedCallBaseSnapshot values, got {type(snap).__name__}")
+            raise TypeError(
+                f"snapshots must be StagedCallBaseSnapshot values, got {type(snap).__name__}"
+            )
         call = snap.model_call_id
         if call in seen:
             raise ReceiptVerificationError("duplicate_snapshot", f"{call!r} appears twice")
         seen.add(call)
         if call not in ids:
-            raise ReceiptVerificationError("snapshot_identity_mismatch", f"{call!r} is not in the manifest")
+            raise ReceiptVerificationError(
+                "snapshot_identity_mismatch", f"{call!r} is not in the manifest"
+            )
         if call != row.model_call_id:
             raise ReceiptVerificationError(
                 "snapshot_order_mismatch", f"position of {row.model_call_id!r} holds {call!r}"
             )
         if snap.rollout_id != receipt.rollout_id:
-            raise ReceiptVerificationError("wrong_rollout", f"{call!r} belongs to {snap.rollout_id!r}")
+            raise ReceiptVerificationError(
+                "wrong_rollout", f"{call!r} belongs to {snap.rollout_id!r}"
+            )
         for name in _COMPARED_FIELDS:
             if getattr(snap, name) != getattr(row, name):
-                raise ReceiptVerificationError(f"wrong_{name}", f"{call!r} disagrees with its manifest row")
+                raise ReceiptVerificationError(
+                    f"wrong_{name}", f"{call!r} disagrees with its manifest row"
+                )
         for name in _VERSION_FIELDS:
             if not getattr(snap, name) == getattr(row, name) == getattr(receipt, name):
                 raise ReceiptVerificationError(f"wrong_{name}", f"{call!r} disagrees on {name}")
@@ -152,7 +172,9 @@ def _check_snapshots(receipt: Any, snapshots: Sequence[Any]) -> None:
         except Exception as exc:
             raise ReceiptVerificationError("invalid_snapshot", f"{call!r}: {exc}") from exc
         if digest != snap.digest:
-            raise ReceiptVerificationError("corrupt_digest", f"{call!r} columns do not match its digest")
+            raise ReceiptVerificationError(
+                "corrupt_digest", f"{call!r} columns do not match its digest"
+            )
 
 
 def _terminal_chain(receipt: Any) -> list[Any]:
@@ -163,11 +185,14 @@ def _terminal_chain(receipt: Any) -> list[Any]:
         if parent is None:
             continue
         if parent not in rows:
-            raise RebuildError("missing_parent", f"{row.model_call_id!r} names absent parent {parent!r}")
+            raise RebuildError(
+                "missing_parent", f"{row.model_call_id!r} names absent parent {parent!r}"
+            )
         if rows[parent].cum_len != row.prev_len:
             raise RebuildError(
                 "parent_length_mismatch",
-                f"{row.model_call_id!r} prev_len {row.prev_len} != parent cum_len {rows[parent].cum_len}",
+                f"{row.model_call_id!r} prev_len {row.prev_len} != parent cum_len "
+                f"{rows[parent].cum_len}",
             )
     for row in receipt.manifest:
         visited: set[str] = set()
@@ -208,7 +233,9 @@ def verify_and_linearize(receipt: Any, snapshots: Sequence[Any]) -> LinearizedRo
         size = len(mask_delta)
         carry = mask_delta.index(1.0) if 1.0 in mask_delta else size
         if mask_delta.count(0.0) != carry or mask_delta.count(1.0) != size - carry:
-            raise RebuildError("invalid_mask_order", f"{row.model_call_id!r} mask is not carry-then-generation")
+            raise RebuildError(
+                "invalid_mask_order", f"{row.model_call_id!r} mask is not carry-then-generation"
+            )
         if carry == size:
             raise RebuildError("empty_generation", f"{row.model_call_id!r} generated no token")
         if position == 0:
@@ -222,7 +249,9 @@ def verify_and_linearize(receipt: Any, snapshots: Sequence[Any]) -> LinearizedRo
     if 1.0 not in mask:
         raise RebuildError("empty_training_row", "no generated token on the terminal chain")
     if hash_token_ids(ids, check_types=False) != chain[-1].cumulative_hash:
-        raise RebuildError("cumulative_hash_mismatch", "the terminal's cumulative hash does not cover the row")
+        raise RebuildError(
+            "cumulative_hash_mismatch", "the terminal's cumulative hash does not cover the row"
+        )
     return LinearizedRow(
         rollout_id=receipt.rollout_id,
         token_ids=ids,

@@ -10,7 +10,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    model_validator,
+)
 
 from tq_plugin.staging.digest import (
     EMPTY_EXTRAS_DIGEST,
@@ -177,7 +185,7 @@ class StagedCallRecord(StagedCallBaseSnapshot):
 
 
 class StagedCallSnapshot(StagedCallRecord):
-    """Legacy: the exact staged record as a source once returned it (sources now return base rows)."""
+    """Legacy: the exact staged record a source once returned (sources now return base rows)."""
 
 
 class StageResult(_WireModel):
@@ -221,7 +229,13 @@ class CommitCoords(_DigestWireModel):
             raise ValueError("child coordinates must have prev_len > 0")
         if self.cum_len != self.prev_len + self.delta_len:
             raise ValueError("cum_len must equal prev_len + delta_len")
-        payload = (self.digest, self.extras_digest, self.staging_key, self.chain_hash, self.cumulative_hash)
+        payload = (
+            self.digest,
+            self.extras_digest,
+            self.staging_key,
+            self.chain_hash,
+            self.cumulative_hash,
+        )
         if self.disposition == "staged":
             if any(value is None for value in payload):
                 raise ValueError(
@@ -264,7 +278,9 @@ class CallRecord(_DigestWireModel):
         if self.delta_len == 0 or self.cum_len != self.prev_len + self.delta_len:
             raise ValueError("manifest lengths must describe a non-empty contiguous delta")
         if self.parent_call_id is None and (self.prev_len != 0 or self.mode != "text"):
-            raise ValueError("a parentless manifest row must be a text-mode root with prev_len == 0")
+            raise ValueError(
+                "a parentless manifest row must be a text-mode root with prev_len == 0"
+            )
         if self.parent_call_id is not None and (self.prev_len == 0 or self.mode != "token_in"):
             raise ValueError("a child manifest row must use token_in mode with prev_len > 0")
         return self
@@ -313,5 +329,7 @@ class RolloutReceipt(_DigestWireModel):
             if self.terminal_model_call_id is not None:
                 raise ValueError("terminal_model_call_id requires a terminal_selection method")
             if not self.failure_reason:
-                raise ValueError("a receipt with no attribution stage must be poisoned with a failure_reason")
+                raise ValueError(
+                    "a receipt with no attribution stage must be poisoned with a failure_reason"
+                )
         return self

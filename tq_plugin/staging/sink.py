@@ -99,7 +99,9 @@ def extras_metadata_json(extras: Mapping[str, Any] | None) -> bytes:
     if extras is None:
         return b"null"
     metadata = {k: v for k, v in extras.items() if k != ROUTED_EXPERTS_FIELD}
-    text = json.dumps(metadata, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    text = json.dumps(
+        metadata, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    )
     return text.encode("utf-8")
 
 
@@ -108,7 +110,7 @@ def _route_columns(routes: Any, delta_len: int) -> tuple[int, dict[str, torch.Te
     if routes is None:
         return ROUTE_ENCODING_NONE, {}
     if isinstance(routes, str):
-        raise ValueError(
+        raise TypeError(
             "routed_experts envelopes (strings) are not supported by this sink; stage "
             "routes as a delta-aligned [delta_len][num_layers][top_k] list of ints"
         )
@@ -175,7 +177,7 @@ class TQTokenSink:
             fields, tags = self._row(record, attachments)
             write_started = True
             self.store.put(key, fields, tags=tags)
-        except Exception as exc:  # stage never raises: the result carries the failure
+        except Exception as exc:  # noqa: BLE001 - stage never raises: the result carries it
             error = f"{type(exc).__name__}: {exc}"
             logger.warning("TQTokenSink.stage failed for %s: %s", key, error)
             if write_started and key is not None:
@@ -208,23 +210,29 @@ class TQTokenSink:
         encoding, route_columns = _route_columns(routes, ids.shape[1])
         metadata = extras_metadata_json(extras)
         parent = record.parent_call_id
-        scalars = torch.from_numpy(np.array(
-            [
-                record.schema_version,
-                record.digest_version,
-                record.extras_digest_version,
-                _MODE_TO_CODE[record.mode],
-                record.prev_len,
-                record.delta_len,
-                record.cum_len,
-                record.weight_version,
-                encoding,
-                ids.shape[1] if route_columns else 0,
-            ],
-            dtype=np.int64,
-        ))
-        digests = b"".join(digest_to_bytes(getattr(record, attr), attr) for _, attr in _DIGEST_COLUMNS)
-        digest_rows = torch.from_numpy(np.frombuffer(bytearray(digests), dtype=np.uint8).reshape(4, 1, 32))
+        scalars = torch.from_numpy(
+            np.array(
+                [
+                    record.schema_version,
+                    record.digest_version,
+                    record.extras_digest_version,
+                    _MODE_TO_CODE[record.mode],
+                    record.prev_len,
+                    record.delta_len,
+                    record.cum_len,
+                    record.weight_version,
+                    encoding,
+                    ids.shape[1] if route_columns else 0,
+                ],
+                dtype=np.int64,
+            )
+        )
+        digests = b"".join(
+            digest_to_bytes(getattr(record, attr), attr) for _, attr in _DIGEST_COLUMNS
+        )
+        digest_rows = torch.from_numpy(
+            np.frombuffer(bytearray(digests), dtype=np.uint8).reshape(4, 1, 32)
+        )
         flags = torch.from_numpy(np.array([parent is not None, True, True]))
         fields: dict[str, torch.Tensor] = {
             "token_ids_delta": ids,
@@ -232,7 +240,9 @@ class TQTokenSink:
             "generation_logprobs_delta": logprobs,
             "rollout_id_utf8": _bytes_tensor(record.rollout_id.encode("utf-8")),
             "model_call_id_utf8": _bytes_tensor(record.model_call_id.encode("utf-8")),
-            "parent_call_id_utf8": _bytes_tensor(b"\0" if parent is None else parent.encode("utf-8")),
+            "parent_call_id_utf8": _bytes_tensor(
+                b"\0" if parent is None else parent.encode("utf-8")
+            ),
             ROUTED_EXTRAS_METADATA_FIELD: _bytes_tensor(metadata),
         }
         fields.update(zip(_INT_SCALARS, scalars.split(1)))
@@ -267,7 +277,7 @@ class TQTokenSink:
         """
         try:
             self.store.clear([key])
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a failed discard is logged, never raised
             logger.error(
                 "TQTokenSink could not discard the failed write of %s (%s: %s); the staging "
                 "partition %r may retain orphaned field keys",

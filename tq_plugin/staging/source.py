@@ -10,6 +10,7 @@ finalizer maps it to a placeholder, never a silent short read.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,7 +45,12 @@ from tq_plugin.staging.media import (
     media_from_row,
 )
 from tq_plugin.staging.records import StagedCallBaseSnapshot, staging_key
-from tq_plugin.staging.store import _CODE_TO_MODE, STAGING_FIELDS, TOKEN_IDS_DELTA_FIELD, TQStagingStore
+from tq_plugin.staging.store import (
+    _CODE_TO_MODE,
+    STAGING_FIELDS,
+    TOKEN_IDS_DELTA_FIELD,
+    TQStagingStore,
+)
 
 _DIGEST_HEX_FIELDS = (
     ("digest", "digest_bytes", None),
@@ -52,7 +58,15 @@ _DIGEST_HEX_FIELDS = (
     ("chain_hash", "chain_hash_bytes", "chain_hash_present"),
     ("cumulative_hash", "cumulative_hash_bytes", "cumulative_hash_present"),
 )
-_INT_FIELDS = ("schema_version", "digest_version", "extras_digest_version", "prev_len", "delta_len", "cum_len", "weight_version")
+_INT_FIELDS = (
+    "schema_version",
+    "digest_version",
+    "extras_digest_version",
+    "prev_len",
+    "delta_len",
+    "cum_len",
+    "weight_version",
+)
 _ROUTE_ENCODINGS = (ROUTE_ENCODING_NONE, 1, ROUTE_ENCODING_LIST)
 _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
@@ -121,7 +135,7 @@ class _Batch:
         if value.is_nested:
             bounds = value.offsets().tolist()
             values = convert(value.values())
-            return [values[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+            return [values[a:b] for a, b in itertools.pairwise(bounds)]
         return list(convert(value))
 
     def rows(self, name: str) -> list[torch.Tensor]:
@@ -144,7 +158,9 @@ class _Batch:
         if key not in self._cache:
             value = self._column(name)
             if value.is_nested or value.dtype not in _INT_DTYPES:
-                raise TypeError(f"staged scalar {name!r} must be an integer tensor, got {value.dtype}")
+                raise TypeError(
+                    f"staged scalar {name!r} must be an integer tensor, got {value.dtype}"
+                )
             if value.numel() != self.n:
                 raise ValueError(f"staged scalar {name!r} must hold one element per row")
             self._cache[key] = value.reshape(-1).tolist()
@@ -182,7 +198,9 @@ def _snapshot_fields(batch: _Batch, i: int) -> dict[str, Any]:
     out["rollout_id"] = batch.texts("rollout_id_utf8")[i].decode("utf-8")
     out["model_call_id"] = batch.texts("model_call_id_utf8")[i].decode("utf-8")
     parent_present = batch.bools("parent_call_id_present")[i]
-    out["parent_call_id"] = batch.texts("parent_call_id_utf8")[i].decode("utf-8") if parent_present else None
+    out["parent_call_id"] = (
+        batch.texts("parent_call_id_utf8")[i].decode("utf-8") if parent_present else None
+    )
     for attr, column, flag in _DIGEST_HEX_FIELDS:
         raw = batch.texts(column)[i]
         if len(raw) != 32:
@@ -199,7 +217,7 @@ def _row_extras(batch: _Batch, i: int, *, verify_media: bool) -> dict[str, Any] 
     """Decode the row's metadata JSON, checking the media checksum first on media partitions."""
     metadata = batch.texts(ROUTED_EXTRAS_METADATA_FIELD)[i]
     if verify_media:
-        if MEDIA_METADATA_DIGEST_FIELD not in batch.td.keys():
+        if MEDIA_METADATA_DIGEST_FIELD not in batch.td:
             raise MediaMetadataIntegrityError("Missing media metadata checksum")
         checksum = batch.rows(MEDIA_METADATA_DIGEST_FIELD)[i]
         if (
@@ -210,7 +228,9 @@ def _row_extras(batch: _Batch, i: int, *, verify_media: bool) -> dict[str, Any] 
             raise MediaMetadataIntegrityError("Media metadata checksum mismatch")
     value = json.loads(metadata.decode("utf-8"))
     if value is not None and not isinstance(value, dict):
-        raise ValueError(f"staged extras metadata must be a JSON object or null, got {type(value).__name__}")
+        raise ValueError(
+            f"staged extras metadata must be a JSON object or null, got {type(value).__name__}"
+        )
     return value
 
 
@@ -236,7 +256,11 @@ class TQTokenSource:
         self.snapshot_cls = snapshot_cls
 
     def _snapshot_cls(self) -> type[Any]:
-        return self.snapshot_cls or gym_record_class("StagedCallBaseSnapshot") or StagedCallBaseSnapshot
+        return (
+            self.snapshot_cls
+            or gym_record_class("StagedCallBaseSnapshot")
+            or StagedCallBaseSnapshot
+        )
 
     def _read(self, keys: list[str], select: list[str], what: str) -> _Batch:
         try:
@@ -321,7 +345,7 @@ class TQTokenSource:
     def _route_fragment(self, batch: _Batch, i: int, encoding: int) -> RouteFragment | None:
         if encoding == ROUTE_ENCODING_NONE:
             return None
-        if ROUTED_EXPERTS_FIELD not in batch.td.keys():
+        if ROUTED_EXPERTS_FIELD not in batch.td:
             raise KeyError("staged row metadata names routed_experts but its field is absent")
         return RouteFragment(
             routes=batch.rows(ROUTED_EXPERTS_FIELD)[i],
