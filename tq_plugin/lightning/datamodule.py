@@ -141,9 +141,6 @@ class MetaDataModule(LightningDataModule):
         start_step, skip = callback.resume_cursor() if callback else (0, 0)
         world, rank = trainer.world_size, trainer.global_rank
         placement = self._row_placement(client)
-        micro = self.micro_batch_size
-        if micro is None:
-            micro = (getattr(host, "cfg", None) or {}).get("train_micro_batch_size")
         for step in range(start_step, self.num_steps):
             if placement == "shared" and world > 1:
                 meta = self.source(step, client) if rank == 0 else None
@@ -166,7 +163,7 @@ class MetaDataModule(LightningDataModule):
                     rows=placement,
                     reduce_max=self._reduce_max,
                     global_batch_size=self.global_batch_size,
-                    micro_batch_size=micro,
+                    micro_batch_size=self.micro_batch_size,
                     shard_fn=self.shard_fn,
                 ):
                     if step > start_step or index >= skip:

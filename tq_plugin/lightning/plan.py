@@ -91,7 +91,11 @@ def plan_step(
     micro_batch_size: int | None = None,
     shard_fn: ShardFn | None = None,
 ) -> list[KVBatchMeta]:
-    """This rank's microbatch metas for one pass over a step, in training order."""
+    """This rank's microbatch metas for one pass over a step, in training order.
+
+    ``micro_batch_size`` (rows per microbatch when neither packing mode is on) defaults to the
+    host's ``cfg["train_micro_batch_size"]``, else one microbatch per global batch.
+    """
     if rows not in ROW_PLACEMENTS:
         raise ValueError(f"rows must be one of {list(ROW_PLACEMENTS)}, got {rows!r}")
     if not 0 <= rank < world_size:
@@ -103,6 +107,8 @@ def plan_step(
         raise ValueError(
             f"global_batch_size ({global_batch_size}) must be divisible by world_size ({world_size})"
         )
+    if micro_batch_size is None:
+        micro_batch_size = (getattr(host, "cfg", None) or {}).get("train_micro_batch_size")
     sp_args, db_args = host._packing_args(mb_tokens_key)
     isolated = host._isolated_meta(meta, fields=fields, task_name=task_name)
     if rows == "shared":
