@@ -271,7 +271,7 @@ class LocalDataPlane(TaskCursors):
         lookup = part.slot_of.get
         slots = list(map(lookup, ids))
         if None in slots:
-            new = [s for s, slot in zip(ids, slots) if slot is None]
+            new = ids if slots.count(None) == len(ids) else [s for s, x in zip(ids, slots) if x is None]
             reuse = min(len(new), len(part.free_slots))
             fresh = range(part.next_slot, part.next_slot + len(new) - reuse)
             taken = part.free_slots[len(part.free_slots) - reuse :]
@@ -329,8 +329,9 @@ class LocalDataPlane(TaskCursors):
                         f"get_samples: field {name!r} was never written to partition "
                         f"{partition_id!r}"
                     )
-                have = col.has(slots)
-                if not bool(have.all()):
+                # Every live row holds the field (the common case): no per-row check needed.
+                have = None if col.live_rows == len(part.slot_of) else col.has(slots)
+                if have is not None and not bool(have.all()):
                     lacking = [ids[i] for i in torch.nonzero(~have).flatten().tolist()]
                     raise KeyError(
                         f"get_samples: field {name!r} not written for {len(lacking)} requested "
