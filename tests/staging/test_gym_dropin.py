@@ -38,24 +38,7 @@ def worker(client):
 
 
 def _receipt(rollout_id: str, coords: list, reward: float = 1.0):
-    rows = [
-        gym.CallRecord(
-            model_call_id=c.model_call_id,
-            parent_call_id=c.parent_call_id,
-            prev_len=c.prev_len,
-            delta_len=c.delta_len,
-            cum_len=c.cum_len,
-            weight_version=c.weight_version,
-            digest=c.digest,
-            extras_digest=c.extras_digest,
-            staging_key=c.staging_key,
-            mode="text" if c.parent_call_id is None else "token_in",
-            chain_hash=c.chain_hash,
-            cumulative_hash=c.cumulative_hash,
-            response_id=f"resp-{c.model_call_id}",
-        )
-        for c in coords
-    ]
+    rows = [gym.CallRecord(**ours.call_record_for(c).model_dump()) for c in coords]
     return gym.RolloutReceipt(
         rollout_id=rollout_id,
         reward=reward,

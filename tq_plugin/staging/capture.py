@@ -101,7 +101,15 @@ def make_staged_call_record(
 def call_record_for(
     record: Any, *, staging_key: str | None = None, response_id: str | None = None
 ) -> CallRecord:
-    """The token-free manifest row of a staged record (ours or Gym's, read by attribute)."""
+    """The token-free manifest row of a staged record or of staged ``CommitCoords``.
+
+    Read by attribute, so Gym's objects work too. Coordinates carry their staging key and no
+    mode: a root is a text call, a child a token_in call.
+    """
+    key = staging_key or getattr(record, "staging_key", None)
+    mode = getattr(record, "mode", None) or (
+        "text" if record.parent_call_id is None else "token_in"
+    )
     return CallRecord(
         model_call_id=record.model_call_id,
         parent_call_id=record.parent_call_id,
@@ -111,8 +119,8 @@ def call_record_for(
         weight_version=record.weight_version,
         digest=record.digest,
         extras_digest=record.extras_digest,
-        staging_key=staging_key or default_staging_key(record.rollout_id, record.model_call_id),
-        mode=record.mode,
+        staging_key=key or default_staging_key(record.rollout_id, record.model_call_id),
+        mode=mode,
         chain_hash=record.chain_hash,
         cumulative_hash=record.cumulative_hash,
         response_id=response_id or f"response-{record.model_call_id}",
