@@ -6,11 +6,18 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 from lightning.pytorch import Trainer
 
-from tq_plugin.data_plane import PREV_LOGPROBS, LocalDataPlane
+from tq_plugin.data_plane import INPUT_IDS, PREV_LOGPROBS, LocalDataPlane
 from tq_plugin.lightning import DataPlaneCallback, MetaDataModule, MeteredClient
-from tq_plugin.lightning.demo import POLICY_FIELDS, DemoPolicy, SyntheticRollouts, partition_spec
+from tq_plugin.lightning.demo import (
+    POLICY_FIELDS,
+    DemoPolicy,
+    DemoValue,
+    SyntheticRollouts,
+    partition_spec,
+)
 
 
 class CountingClient(LocalDataPlane):
@@ -136,3 +143,43 @@ def test_a_hydra_backend_config_is_instantiated() -> None:
 
     client, built = build_client({"_target_": "tq_plugin.data_plane.LocalDataPlane"})
     assert isinstance(client, LocalDataPlane) and built
+
+
+class ActorCritic(DemoPolicy):
+    def __init__(self) -> None:
+        super().__init__()
+        self.critic = DemoValue()
+
+
+def test_policy_and_value_callbacks_keep_separate_checkpoint_entries(
+    make_trainer: Callable[..., Trainer], tmp_path: Any
+) -> None:
+    policy_cb = DataPlaneCallback(role="policy", partitions=[partition_spec()])
+    value_cb = DataPlaneCallback(LocalDataPlane(), role="value", attach_to="critic")
+    model = ActorCritic()
+    trainer = fit(make_trainer, model, [policy_cb, value_cb])
+    assert model.dp_client is policy_cb.client and model.critic.dp_client is value_cb.client
+    value_cb.completed_steps = 7
+    trainer.save_checkpoint(tmp_path / "both.ckpt")
+    states = torch.load(tmp_path / "both.ckpt", weights_only=False)["callbacks"]
+    assert states[policy_cb.state_key]["completed_steps"] == 2
+    assert states[value_cb.state_key]["completed_steps"] == 7
+
+
+def test_on_cuda_the_host_batch_is_pinned_and_copied_non_blocking(monkeypatch: Any) -> None:
+    from tensordict import TensorDict
+
+    calls: list[Any] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(TensorDict, "pin_memory", lambda self, *a, **k: calls.append("pin") or self)
+    monkeypatch.setattr(TensorDict, "to", lambda self, *a, **k: calls.append(("to", k)) or self)
+    client = LocalDataPlane()
+    client.register_partition(**partition_spec())
+    mb = SyntheticRollouts(rows=2)(0, client)
+    mb.fields = [INPUT_IDS]
+    model = DemoPolicy()
+    model.dp_client = client
+    monkeypatch.setattr(type(model), "_dp_device_type", lambda self: "cuda")
+    td = model.on_before_batch_transfer(mb, 0)
+    model.transfer_batch_to_device(td, torch.device("cuda"), 0)
+    assert calls == ["pin", ("to", {"non_blocking": True})]

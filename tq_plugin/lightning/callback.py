@@ -124,7 +124,6 @@ class DataPlaneCallback(Callback):
             self._owns = built if self._close_client is None else self._close_client
             self._closed = False
         self.host(pl_module).dp_client = self.client
-        pl_module.dp_client = self.client
         for spec in self.partitions:
             call_dp(self.client, "register_partition", **spec)
         self._last = self.client.snapshot()
