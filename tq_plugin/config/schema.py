@@ -211,11 +211,13 @@ class RecipeConfig:
     _target_: str = "tq_plugin.rl.recipe.RLRecipe"
     algorithm: str = "ppo"
     seed: int = 0
+    # torch intra-op threads; the tiny model's ops are too small to gain from more (0: torch's default).
+    num_threads: int = 1
     # RL iterations: each generates rollouts, writes them through the data plane, then trains.
-    num_steps: int = 40
+    num_steps: int = 60
     prompts_per_step: int = 16
     group_size: int = 4
-    ppo_epochs: int = 2
+    ppo_epochs: int = 4
     # Optimizer steps per epoch: the step's rows are split into this many minibatches.
     minibatches: int = 1
     lr: float = 3e-3
@@ -235,6 +237,7 @@ class RecipeConfig:
 
     def __post_init__(self) -> None:
         _one_of("recipe.algorithm", self.algorithm, ALGORITHMS)
+        _positive("recipe.num_threads", self.num_threads, allow_zero=True)
         for key in ("num_steps", "prompts_per_step", "group_size", "ppo_epochs", "minibatches",
                     "lr", "max_new_tokens", "temperature", "log_every"):
             _positive(f"recipe.{key}", getattr(self, key))

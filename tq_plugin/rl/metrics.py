@@ -52,6 +52,7 @@ class _Step:
     rollout_s: float
     prepare_s: float
     failed_calls: int
+    lp_gap: float = 0.0
     real_tokens: float = 0.0
     padded_tokens: float = 0.0
     train_s: float = 0.0
@@ -83,6 +84,7 @@ class _Step:
             "prepare_s": round(self.prepare_s, 4),
             "train_s": round(self.train_s, 4),
             "failed_calls": self.failed_calls,
+            "logprob_gap": float(f"{self.lp_gap:.3g}"),
             "dp_bytes": self.dp_bytes,
         }
 
@@ -98,13 +100,15 @@ class MetricsLog:
         _reset_peak_rss()
 
     def on_step_ready(self, step: int, *, rewards: torch.Tensor, turn_scores: torch.Tensor,
-                      rollout_s: float, prepare_s: float, failed_calls: int, dp: Any) -> None:
+                      rollout_s: float, prepare_s: float, failed_calls: int, lp_gap: float,
+                      dp: Any) -> None:
         total = 0 if dp is None else int(dp.bytes_read + dp.bytes_written)
         if self.steps:
             self.steps[-1].dp_bytes = total - self._dp_last
             self._dp_last = total
         self.steps.append(_Step(step, float(rewards.mean()), float(turn_scores[:, 0].mean()),
-                                float(turn_scores[:, -1].mean()), rollout_s, prepare_s, failed_calls))
+                                float(turn_scores[:, -1].mean()), rollout_s, prepare_s, failed_calls,
+                                lp_gap))
         self._dp_total = total
 
     def on_microbatch(self, meta: KVBatchMeta, stats: dict[str, float]) -> None:
@@ -144,6 +148,7 @@ class MetricsLog:
             "train_tokens": int(real),
             "processed_tokens": int(padded),
             "max_microbatch_tokens": self._max_mb_tokens,
+            "max_logprob_gap": max((s.lp_gap for s in self.steps), default=0.0),
             "dp_bytes": int(dp_total_bytes),
             "peak_rss_mb": round(peak_rss_mb(), 1),
             "wall_s": round(time.perf_counter() - self.start, 2),

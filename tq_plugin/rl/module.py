@@ -38,7 +38,6 @@ from tq_plugin.lightning.module import MICROBATCH_INFO, MetaBatchMixin
 from tq_plugin.rl.model import TinyTransformer, entropy, shift_values, token_logprobs
 from tq_plugin.staging import MEDIA_IMGS_FIELD
 
-GB_ACTION_TOKENS = "rl_global_batch_action_tokens"
 POLICY_TRAIN_FIELDS = [INPUT_IDS, INPUT_LENGTHS, TOKEN_MASK, SAMPLE_MASK, PREV_LOGPROBS, ADVANTAGES]
 VALUE_TRAIN_FIELDS = [VALUES, RETURNS]
 
@@ -64,6 +63,7 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         self.dp_pad_to = "microbatch" if packing.use_dynamic_batches else "target"
         self.dp_read_fields = POLICY_TRAIN_FIELDS + (VALUE_TRAIN_FIELDS if value is not None else [])
         self.automatic_optimization = False
+        self.loss_norm = 1  # action tokens of one global batch, set by the recipe each step
         self.step_hook: Any = None  # called with (meta, stats) after each microbatch
         self.train_seconds = 0.0
 
@@ -110,7 +110,7 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         start = time.perf_counter()
         meta = self.dp_meta
         info = meta.extra_info[MICROBATCH_INFO]
-        norm = float(max(meta.extra_info[GB_ACTION_TOKENS], 1))
+        norm = float(self.loss_norm)
         mask = td[TOKEN_MASK].float()
         mask = mask * self._row_values(td[SAMPLE_MASK], mask)
         ids = td[INPUT_IDS]
@@ -124,10 +124,11 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         clipped = ratio.clamp(1.0 - self.rc.clip_eps, 1.0 + self.rc.clip_eps)
         pg = -torch.minimum(ratio * adv, clipped * adv)
         loss = (pg * mask).sum() / norm
-        stats = {
-            "clipfrac": float((((ratio - 1.0).abs() > self.rc.clip_eps).float() * mask).sum() / norm),
-            "approx_kl": float(((ratio - 1.0 - log_ratio) * mask).sum() / norm),
-        }
+        with torch.no_grad():
+            stats = {
+                "clipfrac": float((((ratio - 1.0).abs() > self.rc.clip_eps).float() * mask).sum() / norm),
+                "approx_kl": float(((ratio - 1.0 - log_ratio) * mask).sum() / norm),
+            }
         if self.rc.entropy_coef:
             loss = loss - self.rc.entropy_coef * (entropy(logits) * mask).sum() / norm
         if self.value is not None:
@@ -137,7 +138,7 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
             v_loss = 0.5 * torch.maximum((v - ret) ** 2, (v_clip - ret) ** 2)
             v_loss = (v_loss * mask).sum() / norm
             loss = loss + self.rc.vf_coef * v_loss
-            stats["value_loss"] = float(v_loss)
+            stats["value_loss"] = float(v_loss.detach())
         self.manual_backward(loss)
         if info["last_in_global_batch"]:
             opt = self.optimizers()
@@ -146,7 +147,7 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
             opt.zero_grad()
         elapsed = time.perf_counter() - start + self.dp_batch_stats.get("layout_s", 0.0)
         self.train_seconds += elapsed
-        stats.update(loss=float(loss), seconds=elapsed, **self.dp_batch_stats)
+        stats.update(loss=float(loss.detach()), seconds=elapsed, **self.dp_batch_stats)
         if self.step_hook is not None:
             self.step_hook(meta, stats)
         return {"loss": loss.detach()}

@@ -8,8 +8,8 @@ Each RL step (``prepare_step``), inside the fit's dataloader:
    writes the training rows (``first_write``) into the train partition, returning the meta;
 3. per-turn rewards, ``prev_logprobs`` (policy) and ``values`` (PPO's value model) are written
    back through the data plane; advantages are computed from columns read back and written too;
-4. ``plan_step`` cuts the step into microbatch metas under the configured packing, once per
-   ``ppo_epochs``; the module reads each microbatch's columns through ``MetaBatchMixin``.
+4. ``MetaDataModule`` cuts the step into microbatch metas under the configured packing, once
+   per ``ppo_epochs``; the module reads each microbatch's columns through ``MetaBatchMixin``.
 
 ``DataPlaneCallback`` owns the client (built from ``tq.backend``), meters what crosses it and
 clears each step's rows after its last microbatch.
@@ -19,18 +19,20 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
-from torch.utils.data import DataLoader, IterableDataset
 
 from tq_plugin.config import PackingConfig, RecipeConfig, validate_config
 from tq_plugin.data_plane import (
     ADVANTAGES,
+    GENERATION_LOGPROBS,
     INPUT_LENGTHS,
+    PREV_LOGPROBS,
     RETURNS,
     SAMPLE_MASK,
     TOKEN_MASK,
@@ -38,43 +40,16 @@ from tq_plugin.data_plane import (
     VALUES,
     KVBatchMeta,
 )
-from tq_plugin.lightning.callback import DataPlaneCallback
-from tq_plugin.lightning.plan import plan_step
+from tq_plugin.lightning import DataPlaneCallback, MetaDataModule
 from tq_plugin.rl.advantages import gae, group_relative, turn_end_rewards, whiten
 from tq_plugin.rl.metrics import MetricsLog
-from tq_plugin.rl.module import GB_ACTION_TOKENS, RLModule
+from tq_plugin.rl.module import RLModule
 from tq_plugin.rl.rollout import RolloutWorker
 from tq_plugin.rl.task import IMG, PAD
 from tq_plugin.staging import RolloutReassembler
 
 log = logging.getLogger(__name__)
 TURN_REWARDS = "turn_rewards"
-
-
-class _StepStream(IterableDataset):
-    """Yields the microbatch metas of every RL step; rollouts happen as the fit asks for data."""
-
-    def __init__(self, recipe: RLRecipe) -> None:
-        self.recipe = recipe
-
-    def __iter__(self) -> Iterator[KVBatchMeta]:
-        r = self.recipe
-        for step in range(r.rc.num_steps):
-            meta, actions = r.prepare_step(step)
-            rows = meta.size // r.rc.minibatches
-            for epoch in range(r.rc.ppo_epochs):
-                mbs = plan_step(
-                    meta, host=r.module, fields=r.module.dp_read_fields, task_name="train",
-                    step=step, epoch=epoch, num_epochs=r.rc.ppo_epochs, global_batch_size=rows,
-                    micro_batch_size=None if r.packing.mode != "none" else r.packing.micro_batch_size,
-                )
-                per_gb: dict[int, int] = {}
-                for mb in mbs:
-                    g = mb.extra_info["microbatch"]["global_batch"]
-                    per_gb[g] = per_gb.get(g, 0) + sum(actions[s] for s in mb.sample_ids)
-                for mb in mbs:
-                    mb.extra_info[GB_ACTION_TOKENS] = per_gb[mb.extra_info["microbatch"]["global_batch"]]
-                yield from mbs
 
 
 class RLRecipe:
@@ -91,6 +66,11 @@ class RLRecipe:
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
+        # MetaBatchMixin overrides the module's batch-transfer hooks on purpose.
+        warnings.filterwarnings("ignore", message=r"You have overridden `(on_before_batch_transfer|"
+                                r"transfer_batch_to_device)` in `LightningModule`")
+        if self.rc.num_threads:
+            torch.set_num_threads(self.rc.num_threads)
         torch.manual_seed(self.rc.seed)
         self.generator = torch.Generator().manual_seed(self.rc.seed)
         self.task = instantiate(self.cfg.task, media=self.media, seed=self.rc.seed)
@@ -121,7 +101,13 @@ class RLRecipe:
         self.trainer = instantiate(self.cfg.trainer, max_steps=max_steps,
                                    default_root_dir=str(self.output_dir),
                                    callbacks=[self.callback])
-        self.loader = DataLoader(_StepStream(self), batch_size=None, num_workers=0)
+        self.datamodule = MetaDataModule(
+            lambda step, client: self.prepare_step(step),
+            num_steps=self.rc.num_steps, fields=self.module.dp_read_fields, task_name="train",
+            role="policy", epochs_per_step=self.rc.ppo_epochs,
+            global_batch_size=self.rc.prompts_per_step * self.rc.group_size // self.rc.minibatches,
+            micro_batch_size=self.packing.micro_batch_size,
+        )
 
     def _setup_data_path(self) -> None:
         """Staging sink, rollout worker and reassembler, on the client the callback built."""
@@ -134,7 +120,7 @@ class RLRecipe:
                                               clear_staged=True)
 
     # ------------------------------------------------------------------ one RL step
-    def prepare_step(self, step: int) -> tuple[KVBatchMeta, dict[str, int]]:
+    def prepare_step(self, step: int) -> KVBatchMeta:
         """Rollouts → staged calls → verified training rows → logprobs, values, advantages."""
         if self.worker is None:
             self._setup_data_path()
@@ -149,16 +135,25 @@ class RLRecipe:
         if self.ppo:
             m.write_values(meta)
         self._write_advantages(meta)
-        actions = dict(zip(meta.sample_ids, self._action_counts(meta)))
+        actions, lp_gap = self._check_rows(meta)
+        # Loss normalizer: a global batch's action tokens (the same under every packing mode).
+        m.loss_norm = max(1, actions // self.rc.minibatches)
         self.metrics.on_step_ready(step, rewards=batch.rewards, turn_scores=batch.turn_scores,
                                    rollout_s=t1 - t0, prepare_s=time.perf_counter() - t1,
-                                   failed_calls=batch.failed_calls,
+                                   failed_calls=batch.failed_calls, lp_gap=lp_gap,
                                    dp=m.dp_client.snapshot() if hasattr(m.dp_client, "snapshot") else None)
-        return meta, actions
+        return meta
 
-    def _action_counts(self, meta: KVBatchMeta) -> list[int]:
-        td = self.module.read_from_dataplane(meta, select_fields=[TOKEN_MASK, SAMPLE_MASK])
-        return ((td[TOKEN_MASK] > 0).sum(1) * (td[SAMPLE_MASK] > 0)).tolist()
+    def _check_rows(self, meta: KVBatchMeta) -> tuple[int, float]:
+        """``(action tokens, logprob gap)``. The gap is the largest difference between the
+        engine's staged logprobs and the policy's recomputation over the training rows: the
+        weights have not changed in between, so anything but ~0 means rows, masks or padding
+        are misaligned somewhere between staging and the training partition."""
+        td = self.module.read_from_dataplane(
+            meta, select_fields=[TOKEN_MASK, SAMPLE_MASK, GENERATION_LOGPROBS, PREV_LOGPROBS])
+        mask = (td[TOKEN_MASK] > 0) & (td[SAMPLE_MASK] > 0).unsqueeze(1)
+        gap = ((td[GENERATION_LOGPROBS] - td[PREV_LOGPROBS]).abs() * mask).max()
+        return int(mask.sum()), float(gap)
 
     def _write_advantages(self, meta: KVBatchMeta) -> None:
         fields = [TOKEN_MASK, SAMPLE_MASK, TOTAL_REWARD, TURN_REWARDS, INPUT_LENGTHS]
@@ -177,7 +172,7 @@ class RLRecipe:
 
     # ------------------------------------------------------------------ train / cleanup
     def train(self) -> None:
-        self.trainer.fit(self.module, train_dataloaders=self.loader)
+        self.trainer.fit(self.module, datamodule=self.datamodule)
 
     def cleanup(self) -> dict[str, Any]:
         """Write the artifacts and return the run's summary."""

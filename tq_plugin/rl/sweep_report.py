@@ -32,11 +32,17 @@ def _job_dirs(sweep_dir: Path) -> list[Path]:
 
 
 def collect(sweep_dir: Path) -> list[dict[str, Any]]:
-    rows = []
+    """One row per job dir; ``overrides`` shows what varies between jobs (the swept values)."""
+    jobs = []
     for job in _job_dirs(sweep_dir):
         overrides_file = job / ".hydra" / "overrides.yaml"
-        overrides = OmegaConf.load(overrides_file) if overrides_file.exists() else []
-        row: dict[str, Any] = {"job": job.name, "overrides": " ".join(overrides)}
+        overrides = list(OmegaConf.load(overrides_file)) if overrides_file.exists() else []
+        jobs.append((job, overrides))
+    common = set.intersection(*(set(o) for _, o in jobs)) if len(jobs) > 1 else set()
+    rows = []
+    for job, overrides in jobs:
+        swept = [o for o in overrides if o not in common]
+        row: dict[str, Any] = {"job": job.name, "overrides": " ".join(swept)}
         result_file = job / RESULT_FILE
         if result_file.exists():
             result = json.loads(result_file.read_text())
