@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from lightning.pytorch import Callback
 
 from tq_plugin.data_plane import LocalDataPlane
@@ -43,7 +44,7 @@ class HookedClient(LocalDataPlane):
 
 
 CALLBACK_HOOKS = ("setup", "on_fit_start", "on_train_batch_start", "on_train_batch_end",
-                  "on_fit_end", "teardown")
+                  "on_fit_end", "on_exception", "teardown")
 MODULE_HOOKS = ("setup", "on_before_batch_transfer", "transfer_batch_to_device",
                 "on_after_batch_transfer", "training_step", "on_train_batch_end", "teardown")
 
@@ -57,14 +58,14 @@ def hooked_callback(rec: Recorder) -> Callback:
     return type("HookedCallback", (Callback,), {n: make(n) for n in CALLBACK_HOOKS})()
 
 
-def hooked_policy(rec: Recorder) -> DemoPolicy:
+def hooked_policy(rec: Recorder, base: type = DemoPolicy) -> DemoPolicy:
     def make(name: str) -> Any:
         def hook(self: Any, *args: Any, **kwargs: Any) -> Any:
             rec.calls.append(name)
             return getattr(super(cls, self), name)(*args, **kwargs)
         return hook
 
-    cls = type("HookedPolicy", (DemoPolicy,), {n: make(n) for n in MODULE_HOOKS})
+    cls = type("HookedPolicy", (base,), {n: make(n) for n in MODULE_HOOKS})
     return cls()
 
 
@@ -95,3 +96,20 @@ def test_one_step_hook_order(make_trainer: Any) -> None:
         "dp.close",                # DataPlaneCallback.teardown
         "teardown",
     ]
+
+
+class FailingPolicy(DemoPolicy):
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        raise RuntimeError("boom")
+
+
+def test_a_failing_step_releases_the_client_from_on_exception(make_trainer: Any) -> None:
+    rec = Recorder()
+    dp_cb = DataPlaneCallback(lambda: HookedClient(rec), partitions=[partition_spec()])
+    trainer = make_trainer(callbacks=[hooked_callback(rec), dp_cb])
+    dm = MetaDataModule(SyntheticRollouts(rows=2), num_steps=1, fields=POLICY_FIELDS)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(hooked_policy(rec, FailingPolicy), datamodule=dm)
+    tail = rec.calls[rec.calls.index("training_step"):]
+    # Lightning calls no teardown when fit raises: on_exception is where the client is closed.
+    assert tail == ["training_step", "Callback.on_exception", "dp.close"]
