@@ -7,7 +7,8 @@
   engine hands them over).
 * Stage + fetch + verify: every call staged, read back in finalization batches of 64 calls
   (validated snapshots: the digest is recomputed over the fetched float32 values), and each
-  rollout verified and linearized against its receipt; calls/s over the whole pipeline,
+  rollout verified and linearized against its receipt (without hashing each call a second
+  time, as ``RolloutReassembler`` does); calls/s over the whole pipeline,
   single-threaded, on LocalDataPlane and for the staging layer alone (no-op put, replayed
   reads), which separates this layer's cost from the backend's.
 * ``fetch_for_finalization`` + verify alone: rows/s.
@@ -146,7 +147,7 @@ def _finalize(source: TQTokenSource, receipts: list) -> None:
         )
         for k, receipt in enumerate(group):
             calls = fetched[k * CALLS_PER_ROLLOUT : (k + 1) * CALLS_PER_ROLLOUT]
-            verify_and_linearize(receipt, [c.snapshot for c in calls])
+            verify_and_linearize(receipt, [c.snapshot for c in calls], recompute_digests=False)
 
 
 def pipeline(rollouts: int = 150) -> dict:
@@ -259,7 +260,9 @@ def main() -> dict:
                 "Digest payload counts 16 B per token (u64 id, f32 mask, f32 logprob); target "
                 f'≥ 200 MB/s. Rollouts are chains of {CALLS_PER_ROLLOUT} calls; "verify" is the '
                 "snapshot validation at fetch (digest recomputed over the fetched float32 values) "
-                'plus `verify_and_linearize` per rollout. "Staging layer alone" replaces the '
+                "plus `verify_and_linearize` per rollout (lineage, chain and cumulative hashes; "
+                "each digest is recomputed once, at fetch, as the reassembler does). "
+                '"Staging layer alone" replaces the '
                 "store's put with a no-op and replays prefetched reads, so it is the sink, source "
                 "and verifier without the backend."
             ),

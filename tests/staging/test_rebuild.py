@@ -242,3 +242,23 @@ def test_chained_receipt_verifies_and_broken_links_are_caught(chain) -> None:
     assert (
         _code(*reseal(1, prev_len=2, cum_len=2 + records[1].delta_len)) == "parent_length_mismatch"
     )
+
+
+def test_skipping_the_digest_recompute_still_checks_lineage_and_hashes() -> None:
+    receipt, snapshots = _branched()
+    row = verify_and_linearize(receipt, snapshots, recompute_digests=False)
+    assert row == verify_and_linearize(receipt, snapshots)
+    wrong_parent = [
+        snapshots[0],
+        snapshots[1].model_copy(update={"weight_version": 9}),
+        snapshots[2],
+    ]
+    assert _code_without_recompute(receipt, wrong_parent) == "wrong_weight_version"
+    bad_chain = [snapshots[0].model_copy(update={"token_ids_delta": [10, 11, 99]}), *snapshots[1:]]
+    assert _code_without_recompute(receipt, bad_chain) == "chain_hash_mismatch"
+
+
+def _code_without_recompute(receipt, snapshots) -> str:
+    with pytest.raises(ReceiptVerificationError) as info:
+        verify_and_linearize(receipt, snapshots, recompute_digests=False)
+    return info.value.code

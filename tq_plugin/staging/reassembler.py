@@ -181,7 +181,10 @@ class RolloutReassembler:
 
     def _verify(self, receipt: Any, outcome: _Outcome, calls: list[FetchedStagedCall]) -> None:
         try:
-            outcome.row = verify_and_linearize(receipt, [call.snapshot for call in calls])
+            # The source validated these snapshots (digest recomputed over the fetched bytes)
+            # a moment ago and they never left this object: hash each call once, not twice.
+            snapshots = [call.snapshot for call in calls]
+            outcome.row = verify_and_linearize(receipt, snapshots, recompute_digests=False)
         except ReceiptVerificationError as exc:
             self._poison(outcome, exc.code, str(exc))
         except Exception as exc:  # noqa: BLE001 - a malformed receipt: a placeholder, no crash

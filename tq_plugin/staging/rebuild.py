@@ -130,7 +130,7 @@ def _check_receipt_state(receipt: Any) -> None:
         )
 
 
-def _check_snapshots(receipt: Any, snapshots: Sequence[Any]) -> None:
+def _check_snapshots(receipt: Any, snapshots: Sequence[Any], *, recompute: bool) -> None:
     manifest = receipt.manifest
     if len(snapshots) != len(manifest):
         raise ReceiptVerificationError(
@@ -167,6 +167,8 @@ def _check_snapshots(receipt: Any, snapshots: Sequence[Any]) -> None:
         for name in _VERSION_FIELDS:
             if not getattr(snap, name) == getattr(row, name) == getattr(receipt, name):
                 raise ReceiptVerificationError(f"wrong_{name}", f"{call!r} disagrees on {name}")
+        if not recompute:
+            continue
         try:
             digest = recompute_digest(snap)
         except Exception as exc:
@@ -211,10 +213,18 @@ def _terminal_chain(receipt: Any) -> list[Any]:
     return chain[::-1]
 
 
-def verify_and_linearize(receipt: Any, snapshots: Sequence[Any]) -> LinearizedRow:
-    """Verify every snapshot against the receipt, then linearize the terminal's ancestry."""
+def verify_and_linearize(
+    receipt: Any, snapshots: Sequence[Any], *, recompute_digests: bool = True
+) -> LinearizedRow:
+    """Verify every snapshot against the receipt, then linearize the terminal's ancestry.
+
+    ``recompute_digests=False`` skips re-hashing each snapshot's columns; it is only for a
+    caller that built the snapshots itself through normal validation (which recomputed the
+    digest over the fetched bytes) and never handed them out, as the reassembler does. Every
+    other check (identity, lineage, chain and cumulative hashes, mask order) still runs.
+    """
     _check_receipt_state(receipt)
-    _check_snapshots(receipt, snapshots)
+    _check_snapshots(receipt, snapshots, recompute=recompute_digests)
     chain = _terminal_chain(receipt)
     by_id = {snap.model_call_id: snap for snap in snapshots}
     ids: list[int] = []

@@ -245,8 +245,8 @@ class TQTokenSink:
             ),
             ROUTED_EXTRAS_METADATA_FIELD: _bytes_tensor(metadata),
         }
-        fields.update(zip(_INT_SCALARS, scalars.split(1)))
-        fields.update(zip(_BOOL_SCALARS, flags.split(1)))
+        fields.update(zip(_INT_SCALARS, scalars.reshape(-1, 1).unbind(0)))
+        fields.update(zip(_BOOL_SCALARS, flags.reshape(-1, 1).unbind(0)))
         fields.update(zip(_DIGEST_NAMES, digest_rows.unbind(0)))
         fields.update(route_columns)
         if self.capture_media:
