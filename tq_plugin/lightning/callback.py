@@ -99,6 +99,7 @@ class DataPlaneCallback(Callback):
         self._owns = False
         self._closed = True
         self._last = DataPlaneCounters()
+        self._last_meta: KVBatchMeta | None = None
         self.completed_steps = 0
         self.microbatches_done = 0
         self.rows_written = 0
@@ -157,8 +158,9 @@ class DataPlaneCallback(Callback):
     ) -> None:
         host = self.host(pl_module)
         meta = batch if isinstance(batch, KVBatchMeta) else getattr(host, "dp_meta", None)
-        if meta is None:
-            return
+        if meta is None or meta is self._last_meta:
+            return  # not a data-plane batch (a stale dp_meta is never handled twice)
+        self._last_meta = meta
         info = meta.extra_info.get(MICROBATCH_INFO)
         position = None if info is None else (info["step"], self._index_in_step(info))
         if position is not None and position < self.resume_cursor():
@@ -176,7 +178,10 @@ class DataPlaneCallback(Callback):
 
     def _write_back(self, host: Any, meta: KVBatchMeta, fields: Mapping[str, Any]) -> None:
         to_rows: Callable[[torch.Tensor], torch.Tensor] = getattr(host, "dp_rows", lambda v: v)
-        rows = {name: to_rows(value.detach()) for name, value in fields.items()}
+        rows = {
+            name: to_rows(value.detach()) if isinstance(value, torch.Tensor) else value
+            for name, value in fields.items()
+        }
         writer = getattr(host, "write_to_dataplane", None)
         if writer is not None:
             writer(meta, rows)
