@@ -128,3 +128,24 @@ def test_media_along_the_chain_lands_in_the_training_row(
     assert td["media_imgs_sizes"][0].tolist() == [[4, 4], [4, 4], [4, 4]]
     assert td["media_num_frames"][0].tolist() == [1, 2]
     assert td["media_imgs"][1].shape[0] == 0
+
+
+def test_repeated_sample_ids_are_refused_before_any_read(client, text_sink, chain, train_partition):
+    _, receipt = _stage_rollout(text_sink, chain, "r")
+    client.calls.clear()
+    reassembler = RolloutReassembler(client, staging_partition=TEXT_PARTITION)
+    with pytest.raises(ValueError, match="unique sample ids"):
+        reassembler.finalize_group([receipt, receipt], partition_id=TRAIN)
+    assert client.calls == []
+    meta = reassembler.finalize_group([receipt, receipt], partition_id=TRAIN, sample_ids=["a", "b"])
+    assert [t[STATUS_TAG] for t in meta.tags] == ["ok", "ok"]
+
+
+def test_the_reward_column_is_optional(client, text_sink, chain) -> None:
+    client.inner.register_partition(
+        partition_id="lean", fields=[f for f in REASSEMBLED_FIELDS if f != "total_reward"]
+    )
+    _, receipt = _stage_rollout(text_sink, chain, "r")
+    reassembler = RolloutReassembler(client, staging_partition=TEXT_PARTITION, reward_field=None)
+    meta = reassembler.finalize_group([receipt], partition_id="lean")
+    assert "total_reward" not in meta.fields

@@ -88,6 +88,7 @@ class RolloutReassembler:
         staging_partition: str,
         capture_media: bool = False,
         pad_token_id: int = 0,
+        reward_field: str | None = TOTAL_REWARD,
         clear_staged: bool = False,
     ) -> None:
         self.dp_client = dp_client
@@ -99,6 +100,7 @@ class RolloutReassembler:
         )
         self.capture_media = capture_media
         self.pad_token_id = pad_token_id
+        self.reward_field = reward_field
         self.clear_staged = clear_staged
 
     def finalize_group(
@@ -114,12 +116,19 @@ class RolloutReassembler:
         """Verify, linearize and write one row per receipt (placeholders for failures).
 
         Sample ids default to each receipt's ``rollout_id``. Row tags carry ``rollout_id``
-        and ``staging_status`` (``"ok"`` or the reason code of the placeholder).
+        and ``staging_status`` (``"ok"`` or the reason code of the placeholder). The reward
+        goes to ``reward_field`` (0.0 on placeholders; None writes no reward column).
         """
         receipts = list(receipts)
         if not receipts:
             raise ValueError("finalize_group needs at least one receipt")
         outcomes = [self._outcome(r, i) for i, r in enumerate(receipts)]
+        ids = list(sample_ids) if sample_ids is not None else [o.rollout_id for o in outcomes]
+        if len(ids) != len(receipts) or len(set(ids)) != len(ids):
+            raise ValueError(
+                f"finalize_group needs {len(receipts)} unique sample ids, got {ids!r} "
+                "(pass sample_ids when rollout ids repeat)"
+            )
         live = [i for i, o in enumerate(outcomes) if o.status == STATUS_OK]
         fetched = self._fetch(receipts, outcomes, live)
         for i in live:
@@ -127,7 +136,6 @@ class RolloutReassembler:
                 self._verify(receipts[i], outcomes[i], fetched[i])
         if self.capture_media:
             self._attach_media(outcomes, fetched)
-        ids = list(sample_ids) if sample_ids is not None else [o.rollout_id for o in outcomes]
         meta = first_write(
             self._batch(outcomes),
             sample_ids=ids,
@@ -239,10 +247,10 @@ class RolloutReassembler:
             GENERATION_LOGPROBS: column("logprobs", 0.0, torch.float32),
             INPUT_LENGTHS: lengths,
             SAMPLE_MASK: torch.tensor([1.0 if r else 0.0 for r in rows], dtype=torch.float32),
-            TOTAL_REWARD: torch.tensor(
-                [o.reward if o.row else 0.0 for o in outcomes], dtype=torch.float32
-            ),
         }
+        if self.reward_field is not None:
+            rewards = [o.reward if o.row else 0.0 for o in outcomes]
+            batch[self.reward_field] = torch.tensor(rewards, dtype=torch.float32)
         if any(o.media for o in outcomes):
             batch.update(_media_batch(outcomes))
         return batch
