@@ -163,3 +163,25 @@ def test_corrupted_token_bytes_fail_snapshot_validation(
     )
     with pytest.raises(ValueError, match="digest does not match"):
         text_source.fetch(["r/c0"])
+
+
+def test_route_free_extras_are_verified_against_the_extras_digest(
+    text_sink, text_source, client, chain
+) -> None:
+    (record,) = chain("r", [([1], [2], [-1.0])], extras=[{"a": 1}])
+    assert text_sink.stage(record).ok
+    assert text_source.fetch_for_finalization(["r/c0"])[0].extras == {"a": 1}
+    client.inner.put_samples(
+        sample_ids=["r/c0"],
+        partition_id=TEXT_PARTITION,
+        fields={"extras_metadata_json": torch.tensor([list(b'{"a":2}')], dtype=torch.uint8)},
+    )
+    with pytest.raises(ValueError, match="extras_digest"):
+        text_source.fetch_for_finalization(["r/c0"])
+
+
+def test_a_record_whose_extras_disagree_with_its_digest_is_not_staged(text_sink, client, chain):
+    (record,) = chain("r", [([1], [2], [-1.0])], extras=[{"a": 1}])
+    result = text_sink.stage(record.model_copy(update={"extras": {"a": 2}}))
+    assert not result.ok and "extras_digest" in result.error
+    assert client.of("put_samples") == []

@@ -24,7 +24,11 @@ from tq_plugin.data_plane import (
     ROUTED_LEN_FIELD,
 )
 from tq_plugin.staging._gym import gym_record_class
-from tq_plugin.staging.digest import digest_to_bytes, staging_digest_and_columns
+from tq_plugin.staging.digest import (
+    compute_extras_digest,
+    digest_to_bytes,
+    staging_digest_and_columns,
+)
 from tq_plugin.staging.media import (
     _MEDIA_PIXEL_DTYPES,
     MEDIA_METADATA_DIGEST_FIELD,
@@ -208,6 +212,9 @@ class TQTokenSink:
         extras = record.extras if hasattr(record, "extras") else None
         routes = None if extras is None else extras.get(ROUTED_EXPERTS_FIELD)
         encoding, route_columns = _route_columns(routes, ids.shape[1])
+        if routes is None and compute_extras_digest(extras) != record.extras_digest:
+            # Route-free extras are cheap to hash; calls with routes are checked at use.
+            raise ValueError("extras_digest does not match extras")
         metadata = extras_metadata_json(extras)
         parent = record.parent_call_id
         scalars = torch.from_numpy(

@@ -29,7 +29,7 @@ from tq_plugin.data_plane import (
     ROUTED_LEN_FIELD,
 )
 from tq_plugin.staging._gym import gym_record_class
-from tq_plugin.staging.digest import compute_extras_digest
+from tq_plugin.staging.digest import EMPTY_EXTRAS_DIGEST, compute_extras_digest
 from tq_plugin.staging.media import (
     MEDIA_HAS_FRAMES_FIELD,
     MEDIA_IMGS_FIELD,
@@ -99,8 +99,9 @@ class FetchedStagedCall:
 
     ``fragment`` is set only when route payloads were requested (direct mode); deferred
     finalization leaves route bytes in the store and carries only ``routed_len``.
-    ``extras`` is the row's metadata (extras minus routes); for route-free calls it
-    re-verifies against the snapshot's ``extras_digest``.
+    ``extras`` is the row's metadata (extras minus routes); for a route-free call that is
+    its whole extras, verified against the snapshot's ``extras_digest`` at fetch (calls with
+    routes verify through ``RouteFragment.verify`` at the point of use).
     """
 
     staging_key: str
@@ -234,6 +235,13 @@ def _row_extras(batch: _Batch, i: int, *, verify_media: bool) -> dict[str, Any] 
     return value
 
 
+def _check_route_free_extras(extras: dict[str, Any] | None, extras_digest: str, key: str) -> None:
+    """Without routes the metadata is the call's whole extras: it must match its digest."""
+    expected = EMPTY_EXTRAS_DIGEST if extras is None else compute_extras_digest(extras)
+    if expected != extras_digest:
+        raise ValueError(f"staged extras of {key!r} do not match the call's extras_digest")
+
+
 class TQTokenSource:
     """Gym ``StagingSource`` over ``get_samples``.
 
@@ -332,12 +340,15 @@ class TQTokenSource:
         if encoding not in _ROUTE_ENCODINGS:
             raise ValueError(f"unknown routed_experts_encoding {encoding} in staged row {key!r}")
         fragment = self._route_fragment(batch, i, encoding) if with_routes else None
+        extras = _row_extras(batch, i, verify_media=self.capture_media)
+        if encoding == ROUTE_ENCODING_NONE:
+            _check_route_free_extras(extras, snapshot.extras_digest, key)
         return FetchedStagedCall(
             staging_key=key,
             snapshot=snapshot,
             routed_len=batch.ints(ROUTED_LEN_FIELD)[i],
             fragment=fragment,
-            extras=_row_extras(batch, i, verify_media=self.capture_media),
+            extras=extras,
             media_present=present,
             media_has_frames=has_frames,
         )
