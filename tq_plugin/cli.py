@@ -42,8 +42,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     recipe.setup()
     recipe.train()
     summary = recipe.cleanup()
-    print(f"\n[tq_plugin] {cfg.recipe.algorithm} on the embedded data plane, results in "
-          f"{output_dir()}\n{format_summary(summary)}", flush=True)
+    backend = cfg.tq.backend._target_.rsplit(".", 1)[-1]
+    print(f"\n[tq_plugin] {cfg.recipe.algorithm} on {backend}, packing={summary['packing']}, "
+          f"results in {output_dir()}\n{format_summary(summary)}", flush=True)
     return summary
 
 

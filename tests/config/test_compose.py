@@ -10,7 +10,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 import tq_plugin
 from tq_plugin.config import PackingConfig, validate_config
@@ -58,11 +58,22 @@ def test_option_composes_validates_and_instantiates(compose_train, tmp_path, gro
     node = OmegaConf.select(cfg, group.replace("/", "."))
     assert HydraConfig.get().runtime.choices[group] == option
     if group == "tq/backend":
-        from tq_plugin.data_plane import LocalDataPlane
+        from tq_plugin.data_plane import LocalDataPlane, RayDataPlane
 
+        expected = {"local": LocalDataPlane, "ray": RayDataPlane}[option]
+        if option == "ray":
+            ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+            with open_dict(node):
+                node.ray_init = {"num_cpus": 1, "include_dashboard": False, "log_to_driver": False}
         client = instantiate(node)
-        assert isinstance(client, LocalDataPlane)
-        client.close()
+        try:
+            assert isinstance(client, expected)
+            client.register_partition("p", fields=[])
+            assert client.list_sample_ids("p") == []
+        finally:
+            client.close()
+            if option == "ray":
+                ray.shutdown()
     elif group == "tq/staging":
         from tq_plugin.data_plane import LocalDataPlane
         from tq_plugin.staging import TQTokenSink

@@ -5,6 +5,7 @@ Importing this package registers the schemas under ``tq/schema/*`` in Hydra's Co
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -14,6 +15,7 @@ from tq_plugin.config.schema import (
     BackendConfig,
     ModelConfig,
     PackingConfig,
+    RayBackendConfig,
     RecipeConfig,
     StagingConfig,
     TaskConfig,
@@ -26,6 +28,7 @@ __all__ = [
     "BackendConfig",
     "ModelConfig",
     "PackingConfig",
+    "RayBackendConfig",
     "RecipeConfig",
     "StagingConfig",
     "TaskConfig",
@@ -65,6 +68,10 @@ def validate_config(cfg: DictConfig) -> dict[str, Any]:
             continue
         if not isinstance(node, DictConfig):
             raise ValueError(f"{dotted}: must be a config node, got {node!r}")
+        # The option's own schema when it extends one (tq/backend=ray), else the group's.
+        declared = OmegaConf.get_type(node)
+        if dataclasses.is_dataclass(declared):
+            schema = declared
         data = OmegaConf.to_container(node, resolve=True)
         unknown = sorted(set(data) - {f for f in schema.__dataclass_fields__})
         if unknown:

@@ -50,6 +50,25 @@ class BackendConfig:
 
 
 @dataclass
+class RayBackendConfig:
+    """``tq/backend=ray``: the columnar store in a named Ray actor, shared by every process of
+    the Ray cluster (needs the ``ray`` extra)."""
+
+    _target_: str = "tq_plugin.data_plane.RayDataPlane"
+    store: str = "tq_train"
+    actor_name: str = "tq_plugin_data_plane"
+    namespace: str = "tq_plugin"
+    # Passed to ray.init when Ray is not running yet.
+    ray_init: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 2,
+                                                              "include_dashboard": False})
+
+    def __post_init__(self) -> None:
+        for key in ("store", "actor_name", "namespace"):
+            if not getattr(self, key):
+                _fail(f"tq.backend.{key}", "must be a non-empty string")
+
+
+@dataclass
 class StagingConfig:
     """``tq/staging``: the token sink every model call is staged through.
 
@@ -270,11 +289,17 @@ SCHEMAS: dict[str, type] = {
 }
 
 
+# Schemas of options that differ from their group's default schema.
+EXTRA_SCHEMAS: dict[str, type] = {"backend_ray": RayBackendConfig}
+
+
 def register_configs() -> None:
     """Store every schema under ``tq/schema/<name>``. Pure and idempotent: Hydra may rerun it."""
     cs = ConfigStore.instance()
     for group, node in SCHEMAS.items():
         cs.store(group="tq/schema", name=group.split("/")[-1], node=node, provider=PROVIDER)
+    for name, node in EXTRA_SCHEMAS.items():
+        cs.store(group="tq/schema", name=name, node=node, provider=PROVIDER)
 
 
 register_configs()
