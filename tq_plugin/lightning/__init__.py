@@ -5,12 +5,21 @@ A user's module adopts it in a few lines::
     class MyPolicy(TQDriverMixin, MetaBatchMixin, LightningModule):
         def __init__(self):
             super().__init__()
-            self.cfg, attrs = packing_setup("sequence_packing", train_mb_tokens=4096)
-            self.configure_packing(**attrs)
+            self.cfg = {"sequence_packing": {"train_mb_tokens": 4096, "logprob_mb_tokens": 8192}}
+            self.configure_packing(use_sequence_packing=True,
+                                   sequence_packing_args={"algorithm": "first_fit_decreasing"})
             self.dp_layout = "packed"
 
-    trainer = Trainer(callbacks=[DataPlaneCallback(role="policy", partitions=[...])])
-    trainer.fit(MyPolicy(), datamodule=MetaDataModule(source, num_steps=..., fields=[...]))
+        def training_step(self, batch, batch_idx):  # a TensorDict read from the microbatch meta
+            ...
+            return {"loss": loss, "write_back": {"prev_logprobs": logprobs.detach()}}
+
+    callback = DataPlaneCallback(role="policy", partitions=[{"partition_id": "train", "fields": []}])
+    Trainer(callbacks=[callback]).fit(
+        MyPolicy(), datamodule=MetaDataModule(rollout, num_steps=100, fields=DP_TRAIN_FIELDS))
+
+``rollout(step, client)`` writes a step's rows (``first_write``) and returns its ``KVBatchMeta``;
+``tq_plugin.lightning.demo`` has complete, runnable Policy/Value examples.
 """
 
 from tq_plugin.lightning.callback import DataPlaneCallback, build_client
