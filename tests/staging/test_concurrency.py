@@ -56,3 +56,31 @@ def test_eight_threads_staging_at_once_lose_nothing(client) -> None:
         row = verify_and_linearize(make_rollout_receipt(records), snapshots)
         assert row.token_ids[-3:] == [7, 8, 9]
     assert sorted(client.inner.list_sample_ids(partition_id=TEXT_PARTITION)) == sorted(all_keys)
+
+
+class _BlockingClient:
+    """Blocks the put of one key until released; every other put goes straight through."""
+
+    def __init__(self, inner, blocked_key: str) -> None:
+        self.inner, self.blocked_key = inner, blocked_key
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def put_samples(self, **kwargs):
+        if kwargs["sample_ids"] == [self.blocked_key]:
+            self.entered.set()
+            assert self.release.wait(timeout=30)
+        return self.inner.put_samples(**kwargs)
+
+
+def test_a_slow_write_does_not_serialize_other_stages(client) -> None:
+    (slow,) = build_chain("slow", [([1], [2], [-0.5])])
+    (fast,) = build_chain("fast", [([1], [2], [-0.5])])
+    blocking = _BlockingClient(client.inner, slow.staging_key)
+    sink = TQTokenSink(blocking, staging_partition=TEXT_PARTITION)
+    with ThreadPoolExecutor(2) as pool:
+        pending = pool.submit(sink.stage, slow)
+        assert blocking.entered.wait(timeout=30)
+        assert sink.stage(fast).ok  # completes while the other write is still blocked
+        assert not pending.done()
+        blocking.release.set()
+        assert pending.result(timeout=30).ok
