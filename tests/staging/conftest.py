@@ -10,15 +10,15 @@ import torch
 
 from tq_plugin.data_plane import LocalDataPlane
 from tq_plugin.staging import (
-    CaptureAdmission,
     StagedCallBaseSnapshot,
     StagedCallRecord,
     TQTokenSink,
     TQTokenSource,
-    make_staged_call_record,
+    make_staged_chain,
     register_staging_partition,
 )
 
+# Test modules repeat these two names (tests never import each other, conftest included).
 TEXT_PARTITION = "rollout_staging"
 MEDIA_PARTITION = "media_staging"
 
@@ -111,52 +111,9 @@ def media_source(client: RecordingClient) -> TQTokenSource:
     )
 
 
-def build_chain(
-    rollout_id: str,
-    turns: list[tuple[list[int], list[int], list[float]]],
-    *,
-    weight_versions: list[int] | None = None,
-    extras: list[dict[str, Any] | None] | None = None,
-    call_ids: list[str] | None = None,
-) -> list[StagedCallRecord]:
-    """A linear chain of staged calls: each turn adds ``carry`` prompt tokens then generates.
-
-    Turn 0's carry is the root prompt. Call ids default to ``c0, c1, ...``.
-    """
-    records: list[StagedCallRecord] = []
-    sequence: list[int] = []
-    for i, (carry, generated, logprobs) in enumerate(turns):
-        call = call_ids[i] if call_ids else f"c{i}"
-        if records:
-            parent = records[-1]
-            admission = CaptureAdmission(
-                rollout_id=rollout_id,
-                model_call_id=call,
-                parent_call_id=parent.model_call_id,
-                prev_len=parent.cum_len,
-                mode="token_in",
-                required_prefix_token_ids=list(sequence),
-                parent_chain_hash=parent.chain_hash,
-            )
-        else:
-            admission = CaptureAdmission(rollout_id=rollout_id, model_call_id=call, mode="text")
-        prompt = sequence + list(carry)
-        record = make_staged_call_record(
-            admission,
-            prompt_ids=prompt,
-            generated_ids=generated,
-            generated_logprobs=logprobs,
-            weight_version=(weight_versions or [0] * len(turns))[i],
-            extras=(extras or [None] * len(turns))[i],
-        )
-        records.append(record)
-        sequence = prompt + list(generated)
-    return records
-
-
 @pytest.fixture
 def chain() -> Callable[..., list[StagedCallRecord]]:
-    return build_chain
+    return make_staged_chain
 
 
 def still_image(

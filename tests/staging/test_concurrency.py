@@ -11,10 +11,11 @@ from tq_plugin.staging import (
     TQTokenSink,
     TQTokenSource,
     make_rollout_receipt,
+    make_staged_chain,
     verify_and_linearize,
 )
 
-from .conftest import TEXT_PARTITION, build_chain
+TEXT_PARTITION = "rollout_staging"
 
 THREADS = 8
 ROLLOUTS_PER_THREAD = 12
@@ -28,7 +29,7 @@ def test_eight_threads_staging_at_once_lose_nothing(client) -> None:
         start.wait()
         staged = []
         for k in range(ROLLOUTS_PER_THREAD):
-            records = build_chain(
+            records = make_staged_chain(
                 f"t{thread}-r{k}",
                 [([thread, k], [1000 + k], [-0.5]), ([7], [8, 9], [-0.25, -0.125])],
                 extras=[{"thread": thread}, None],
@@ -73,8 +74,8 @@ class _BlockingClient:
 
 
 def test_a_slow_write_does_not_serialize_other_stages(client) -> None:
-    (slow,) = build_chain("slow", [([1], [2], [-0.5])])
-    (fast,) = build_chain("fast", [([1], [2], [-0.5])])
+    (slow,) = make_staged_chain("slow", [([1], [2], [-0.5])])
+    (fast,) = make_staged_chain("fast", [([1], [2], [-0.5])])
     blocking = _BlockingClient(client.inner, slow.staging_key)
     sink = TQTokenSink(blocking, staging_partition=TEXT_PARTITION)
     with ThreadPoolExecutor(2) as pool:

@@ -7,7 +7,8 @@ import torch
 
 from tq_plugin.staging import StagedCallBaseSnapshot, TQTokenSink, TQTokenSource
 
-from .conftest import MEDIA_PARTITION, TEXT_PARTITION
+TEXT_PARTITION = "rollout_staging"
+MEDIA_PARTITION = "media_staging"
 
 
 @pytest.mark.parametrize("midway", [False, True], ids=["fails-at-put", "fails-mid-write"])

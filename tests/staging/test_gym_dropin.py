@@ -11,12 +11,6 @@ import random
 import pytest
 import torch
 
-gym = pytest.importorskip(
-    "nemo_gym.token_id_capture.staging",
-    reason="nemo-gym 0.7.0 is not installed "
-    "(pip install --no-deps --ignore-requires-python nemo-gym==0.7.0)",
-)
-
 from tq_plugin import staging as ours
 from tq_plugin.staging import (
     ChainPrefixCache,
@@ -26,7 +20,14 @@ from tq_plugin.staging import (
     verify_and_linearize,
 )
 
-from .conftest import MEDIA_PARTITION, TEXT_PARTITION
+gym = pytest.importorskip(
+    "nemo_gym.token_id_capture.staging",
+    reason="nemo-gym 0.7.0 is not installed "
+    "(pip install --no-deps --ignore-requires-python nemo-gym==0.7.0)",
+)
+
+TEXT_PARTITION = "rollout_staging"
+MEDIA_PARTITION = "media_staging"
 
 
 @pytest.fixture

@@ -15,11 +15,10 @@ from tq_plugin.staging import (
     TQTokenSink,
     TQTokenSource,
     make_rollout_receipt,
+    make_staged_chain,
     register_staging_partition,
     verify_and_linearize,
 )
-
-from .conftest import build_chain
 
 SETTINGS = settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -77,7 +76,7 @@ def _fresh(capture_media: bool = False):
 )
 def test_random_chains_round_trip_and_verify(chain_turns, extras) -> None:
     dp = _fresh()
-    records = build_chain(
+    records = make_staged_chain(
         "rollout",
         chain_turns,
         weight_versions=list(range(len(chain_turns))),
@@ -133,7 +132,7 @@ def test_random_media_bundles_round_trip_bit_exact(bundles, text_calls) -> None:
     sink = TQTokenSink(dp, staging_partition="s", capture_media=True, media_pixel_dtype=dtype)
     keys = []
     for i, bundle in enumerate(bundles + [None] * text_calls):
-        (record,) = build_chain(f"r{i}", [([1], [2], [-0.5])])
+        (record,) = make_staged_chain(f"r{i}", [([1], [2], [-0.5])])
         assert sink.stage(record, attachments=bundle).ok
         keys.append(record.staging_key)
     source = TQTokenSource(
@@ -160,7 +159,9 @@ def test_random_media_bundles_round_trip_bit_exact(bundles, text_calls) -> None:
 @pytest.mark.parametrize("bad_position", [0, 1, 2])
 def test_any_flipped_stored_token_is_caught(bad_position: int) -> None:
     dp = _fresh()
-    records = build_chain("r", [([1, 2], [3], [-0.5]), ([4], [5], [-0.5]), ([6], [7], [-0.5])])
+    records = make_staged_chain(
+        "r", [([1, 2], [3], [-0.5]), ([4], [5], [-0.5]), ([6], [7], [-0.5])]
+    )
     sink = TQTokenSink(dp, staging_partition="s")
     assert all(sink.stage(r).ok for r in records)
     victim = records[bad_position]

@@ -12,7 +12,8 @@ from tq_plugin.staging import (
 )
 from tq_plugin.staging.reassembler import REASSEMBLED_FIELDS, REASSEMBLED_MEDIA_FIELDS
 
-from .conftest import MEDIA_PARTITION, TEXT_PARTITION
+TEXT_PARTITION = "rollout_staging"
+MEDIA_PARTITION = "media_staging"
 
 TRAIN = "train"
 

@@ -15,7 +15,8 @@ from tq_plugin.staging import (
     compute_staging_digest,
 )
 
-from .conftest import MEDIA_PARTITION, TEXT_PARTITION
+TEXT_PARTITION = "rollout_staging"
+MEDIA_PARTITION = "media_staging"
 
 
 def _put_fields(client) -> list[set[str]]:

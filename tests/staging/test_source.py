@@ -14,7 +14,8 @@ from tq_plugin.staging import (
     TQTokenSource,
 )
 
-from .conftest import MEDIA_PARTITION, TEXT_PARTITION
+TEXT_PARTITION = "rollout_staging"
+MEDIA_PARTITION = "media_staging"
 
 
 @pytest.fixture

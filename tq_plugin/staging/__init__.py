@@ -12,6 +12,7 @@ from tq_plugin.staging.capture import (
     call_record_for,
     make_rollout_receipt,
     make_staged_call_record,
+    make_staged_chain,
 )
 from tq_plugin.staging.digest import (
     EMPTY_EXTRAS_DIGEST,
@@ -129,6 +130,7 @@ __all__ = [
     "hash_token_ids",
     "make_rollout_receipt",
     "make_staged_call_record",
+    "make_staged_chain",
     "register_staging_partition",
     "resolve_admission_prefix",
     "staging_key",

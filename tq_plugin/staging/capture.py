@@ -149,3 +149,49 @@ def make_rollout_receipt(
         manifest=[call_record_for(r, staging_key=k) for r, k in zip(records, keys)],
         terminal_selection="declared",
     )
+
+
+def make_staged_chain(
+    rollout_id: str,
+    turns: Sequence[tuple[Sequence[int], Sequence[int], Sequence[float]]],
+    *,
+    weight_versions: Sequence[int] | None = None,
+    extras: Sequence[Mapping[str, Any] | None] | None = None,
+    call_ids: Sequence[str] | None = None,
+) -> list[StagedCallRecord]:
+    """A linear chain of staged calls, as a worker would stage a multi-turn rollout.
+
+    Each turn is ``(carry, generated, generated_logprobs)``: the new prompt tokens (turn
+    0's carry is the root prompt) and the generation. Call ids default to ``c0, c1, ...``.
+    For demos, tests and benchmarks.
+    """
+    records: list[StagedCallRecord] = []
+    sequence: list[int] = []
+    for i, (carry, generated, logprobs) in enumerate(turns):
+        call = call_ids[i] if call_ids else f"c{i}"
+        if records:
+            parent = records[-1]
+            admission = CaptureAdmission(
+                rollout_id=rollout_id,
+                model_call_id=call,
+                parent_call_id=parent.model_call_id,
+                prev_len=parent.cum_len,
+                mode="token_in",
+                required_prefix_token_ids=list(sequence),
+                parent_chain_hash=parent.chain_hash,
+            )
+        else:
+            admission = CaptureAdmission(rollout_id=rollout_id, model_call_id=call, mode="text")
+        prompt = [*sequence, *carry]
+        records.append(
+            make_staged_call_record(
+                admission,
+                prompt_ids=prompt,
+                generated_ids=generated,
+                generated_logprobs=logprobs,
+                weight_version=weight_versions[i] if weight_versions else 0,
+                extras=extras[i] if extras else None,
+            )
+        )
+        sequence = [*prompt, *generated]
+    return records
