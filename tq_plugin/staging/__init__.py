@@ -44,7 +44,12 @@ from tq_plugin.staging.media import (
 )
 from tq_plugin.staging.prefix_cache import ChainPrefixCache, resolve_admission_prefix
 from tq_plugin.staging.protocols import StagingSink, StagingSource, WeightVersionProvider
-from tq_plugin.staging.reassembler import STATUS_TAG, RolloutReassembler
+from tq_plugin.staging.reassembler import (
+    REASSEMBLED_FIELDS,
+    REASSEMBLED_MEDIA_FIELDS,
+    STATUS_TAG,
+    RolloutReassembler,
+)
 from tq_plugin.staging.rebuild import (
     ExtrasCommitment,
     LinearizedRow,
@@ -89,6 +94,8 @@ __all__ = [
     "MEDIA_PRESENT_FIELD",
     "MEDIA_STAGING_FIELDS",
     "MEDIA_TENSOR_COLUMNS",
+    "REASSEMBLED_FIELDS",
+    "REASSEMBLED_MEDIA_FIELDS",
     "STAGING_DIGEST_VERSION",
     "STAGING_FIELDS",
     "STAGING_SCHEMA_VERSION",
