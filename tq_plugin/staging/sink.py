@@ -145,7 +145,8 @@ class TQTokenSink:
 
     ``capture_media`` mirrors the partition's schema: a media-enabled partition registers
     the media columns and every row written here carries them (flags False and sentinels
-    for text calls); a text-only partition rejects attachments outright.
+    for text calls); a text-only partition rejects attachments outright. Register the
+    partition with ``register_staging_partition`` (it declares the ragged columns jagged).
     """
 
     def __init__(
