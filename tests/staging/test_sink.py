@@ -62,14 +62,17 @@ def test_media_rows_round_trip_in_a_single_put(
 
 
 def test_staged_pixels_come_back_bit_exact_in_request_order(
-    media_sink, media_source, chain, media
+    client, media_sink, media_source, chain, media
 ) -> None:
     bundles = [media.still(frames=n) for n in (1, 3, 2)]
     for i, bundle in enumerate(bundles):
         (record,) = chain(f"r{i}", [([1], [2], [-1.0])])
         assert media_sink.stage(record, attachments=bundle).ok
     keys = ["r2/c0", "r0/c0", "r1/c0"]
-    got = media_source.fetch_media(media_source.fetch_for_finalization(keys))
+    items = media_source.fetch_for_finalization(keys)
+    client.calls.clear()
+    got = media_source.fetch_media(items)
+    assert len(client.of("get_samples")) == 1
     for fetched, want in zip(got, [bundles[2], bundles[0], bundles[1]]):
         assert torch.equal(fetched.imgs, want["imgs"]) and torch.equal(
             fetched.imgs_sizes, want["imgs_sizes"]
