@@ -1,8 +1,9 @@
 """The staging digest scheme (wire versions 2/2/1), byte-compatible with NeMo-Gym 0.7.0.
 
 Every hash is SHA-256 over an ASCII domain tag followed directly by a payload. Token and
-float columns are encoded a whole column at a time (numpy big-endian views), never one
-Python value at a time, so hashing a staged delta costs about as much as copying it.
+float columns are encoded a whole column at a time, never one Python value at a time:
+tensors and arrays through one numpy big-endian cast, Python lists (what records hold)
+through one C-level ``struct`` pack, which for a list is cheaper than building an array.
 
 The encodings, in the reference's words: ``U64`` is 8 bytes big-endian unsigned; ``TEXT``
 is ``U64(len) + utf8``; ``TOKENS`` is ``U64(count)`` then each id as ``U64``; ``F32S`` is
