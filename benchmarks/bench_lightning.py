@@ -34,8 +34,9 @@ from tq_plugin.lightning.demo import POLICY_FIELDS, DemoPolicy, SyntheticRollout
 MB_TOKENS = 4096
 STEP_ROWS = 48
 STEPS = 2
-REPEATS = 3
+REPEATS = 4
 VOCAB, HIDDEN = 2048, 256
+LOG_EVERY = 10  # data-plane metrics logging window (the Trainer's default is 50)
 
 
 class _StepClock(Callback):
@@ -48,6 +49,34 @@ class _StepClock(Callback):
     def per_step(self, skip: int = 2) -> float:
         gaps = [b - a for a, b in zip(self.stamps, self.stamps[1:])][skip:]
         return statistics.median(gaps)
+
+
+class _TimedCallback(DataPlaneCallback):
+    """Accounts the callback's own time per step (write-back, clear, metrics)."""
+
+    seconds: list[float]
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        start = time.perf_counter()
+        super().on_train_batch_end(*args)
+        self.seconds.append(time.perf_counter() - start)
+
+
+class _TimedDataModule(MetaDataModule):
+    """Accounts the time to produce each microbatch meta (planning; the rows are pre-written)."""
+
+    seconds: list[float]
+
+    def iter_microbatches(self) -> Any:
+        inner = super().iter_microbatches()
+        while True:
+            start = time.perf_counter()
+            try:
+                mb = next(inner)
+            except StopIteration:
+                return
+            self.seconds.append(time.perf_counter() - start)
+            yield mb
 
 
 def _trainer(callbacks: list[Callback]) -> Trainer:
@@ -85,27 +114,44 @@ def _fit_direct(batches: list[Any]) -> float:
     return clock.per_step()
 
 
-def _fit_integrated() -> tuple[float, int]:
+def _fit_integrated() -> tuple[float, float, int]:
+    """(median step seconds, median accounted host seconds per step, microbatches)."""
     client = LocalDataPlane()
     metas = _write_steps(client, _rollouts())
     clock = _StepClock()
-    cb = DataPlaneCallback(client, partitions=[partition_spec()])
-    dm = MetaDataModule(lambda step, _c: metas[step], num_steps=STEPS, fields=POLICY_FIELDS)
-    _trainer([cb, clock]).fit(_model(), datamodule=dm)
-    return clock.per_step(), len(clock.stamps)
+    cb = _TimedCallback(client, partitions=[partition_spec()], log_every_n_steps=LOG_EVERY)
+    cb.seconds = []
+    dm = _TimedDataModule(lambda step, _c: metas[step], num_steps=STEPS, fields=POLICY_FIELDS)
+    dm.seconds = []
+    model = _model()
+    layout: list[float] = []
+    materialize = model.dp_materialize
+
+    def timed(meta: KVBatchMeta) -> Any:
+        td = materialize(meta)
+        layout.append(model.dp_batch_stats["layout_s"])
+        return td
+
+    model.dp_materialize = timed  # type: ignore[method-assign]
+    _trainer([cb, clock]).fit(model, datamodule=dm)
+    host = [a + b + c for a, b, c in zip(cb.seconds, dm.seconds, layout)]
+    return clock.per_step(), statistics.median(host), len(clock.stamps)
 
 
 def measure_overhead() -> dict[str, float]:
     client = LocalDataPlane()
     batches = _direct_batches(_write_steps(client, _rollouts()), client)
     tokens = statistics.median(int(b[INPUT_IDS].shape[1]) for b in batches)
-    direct, integrated = [], []
+    direct, integrated, host = [], [], []
     for _ in range(REPEATS):
         direct.append(_fit_direct(batches))
-        step, n = _fit_integrated()
+        step, extra, n = _fit_integrated()
         integrated.append(step)
-    d, i = statistics.median(direct), statistics.median(integrated)
+        host.append(extra)
+    # Other processes share the CPU: the least-disturbed fit of each kind is the fair pair.
+    d, i, h = min(direct), min(integrated), statistics.median(host)
     return {"direct_ms": d * 1e3, "integrated_ms": i * 1e3, "overhead_pct": 100 * (i - d) / d,
+            "host_ms": h * 1e3, "host_pct": 100 * h / d,
             "microbatches": float(n), "tokens_per_microbatch": float(tokens)}
 
 
@@ -155,11 +201,15 @@ def main() -> dict[str, Any]:
         f"Per-step time of a one-layer token model (vocab {VOCAB}, hidden {HIDDEN}) on packed "
         f"microbatches of <= {MB_TOKENS} tokens (median {overhead['tokens_per_microbatch']:.0f}), "
         "CPU, 1 torch thread, median of steady-state steps over "
-        f"{REPEATS} fits each. Target: overhead <= 5%.",
-        table(["path", "ms / step"], [
-            ["tensors fed directly", overhead["direct_ms"]],
-            ["MetaDataModule + MetaBatchMixin + DataPlaneCallback", overhead["integrated_ms"]],
-            ["overhead", f"{overhead['overhead_pct']:.1f}%"],
+        f"{REPEATS} fits each (the fastest fit of each kind; the wall-clock pair is noisy on a "
+        "shared machine, the accounted host time is not). Target: overhead <= 5%.",
+        table(["path", "ms / step", "vs direct"], [
+            ["tensors fed directly", overhead["direct_ms"], "-"],
+            ["MetaDataModule + MetaBatchMixin + DataPlaneCallback", overhead["integrated_ms"],
+             f"{overhead['overhead_pct']:+.1f}% (wall clock)"],
+            [f"integration's own host work (plan + read + layout + write-back + clear + "
+             f"metrics, logged every {LOG_EVERY} steps)",
+             overhead["host_ms"], f"{overhead['host_pct']:.1f}% (accounted)"],
         ]),
         f"Padded-token fraction, lengths uniform 100..2000, 512 rows, budget {MB_TOKENS} tokens "
         "(measured on the tensors `dp_materialize` builds). Target: <= 2% with sequence packing.",

@@ -110,14 +110,23 @@ def test_write_back_lands_under_the_step_keys_and_rows_clear_at_step_end(make_tr
     assert shared.list_sample_ids("train") == []
 
 
-def test_per_step_metrics_are_logged(make_trainer: Any) -> None:
-    trainer = fit(make_trainer, DemoPolicy(), [DataPlaneCallback(partitions=[partition_spec()], role="actor")])
+def test_per_step_metrics_are_logged_as_window_means(make_trainer: Any) -> None:
+    cb = DataPlaneCallback(partitions=[partition_spec()], role="actor", log_every_n_steps=2)
+    trainer = fit(make_trainer, DemoPolicy(), [cb])  # 2 steps x 1 microbatch of 4 rows
     metrics = trainer.callback_metrics
-    for name in ("bytes_read", "bytes_written", "rows_read", "real_tokens", "padded_tokens",
-                 "pad_fraction", "dp_time_s"):
+    for name in ("bytes_read", "bytes_written", "rows_read", "rows_written", "real_tokens",
+                 "padded_tokens", "pad_fraction", "dp_time_s", "layout_time_s"):
         assert f"dp/actor/{name}" in metrics
-    assert metrics["dp/actor/bytes_read"] > 0 and metrics["dp/actor/rows_read"] == 4
+    assert metrics["dp/actor/rows_read"] == 4  # per step: the mean over the 2-step window
+    assert metrics["dp/actor/bytes_read"] > 0
     assert metrics["dp/actor/padded_tokens"] >= metrics["dp/actor/real_tokens"]
+    expected = 1 - metrics["dp/actor/real_tokens"] / metrics["dp/actor/padded_tokens"]
+    assert float(metrics["dp/actor/pad_fraction"]) == pytest.approx(float(expected), abs=1e-6)
+
+
+def test_metrics_wait_for_the_logging_window(make_trainer: Any) -> None:
+    trainer = fit(make_trainer, DemoPolicy(), [DataPlaneCallback(partitions=[partition_spec()])])
+    assert not [k for k in trainer.callback_metrics if k.startswith("dp/")]  # 2 steps < 50
 
 
 def test_state_key_is_per_role_and_state_round_trips() -> None:

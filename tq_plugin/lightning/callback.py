@@ -67,7 +67,10 @@ class DataPlaneCallback(Callback):
             consumer when several roles read one step).
         close_client: close the client in ``teardown``/``on_exception``; default: only a client
             this callback built.
-        log_metrics: log per-step data-plane metrics through ``pl_module.log``.
+        log_metrics: log per-step data-plane metrics through ``pl_module.log``: bytes and rows
+            read and written, real and padded tokens, pad fraction, seconds in the data plane
+            and in the layout, each as a per-step mean over the logging window.
+        log_every_n_steps: the logging window in microbatch steps (default: the Trainer's).
     """
 
     def __init__(
@@ -81,6 +84,7 @@ class DataPlaneCallback(Callback):
         clear_rows: bool = True,
         close_client: bool | None = None,
         log_metrics: bool = True,
+        log_every_n_steps: int | None = None,
     ) -> None:
         if not role:
             raise ValueError("DataPlaneCallback: role must be a non-empty string")
@@ -93,6 +97,7 @@ class DataPlaneCallback(Callback):
         self.write_back_key = write_back_key
         self.clear_rows = clear_rows
         self.log_metrics = log_metrics
+        self.log_every_n_steps = log_every_n_steps
         self._spec = client
         self._close_client = close_client
         self.client: MeteredClient | None = None
@@ -100,6 +105,8 @@ class DataPlaneCallback(Callback):
         self._closed = True
         self._last = DataPlaneCounters()
         self._last_meta: KVBatchMeta | None = None
+        self._window: dict[str, float] = {}
+        self._window_steps = 0
         self.completed_steps = 0
         self.microbatches_done = 0
         self.rows_written = 0
@@ -171,7 +178,7 @@ class DataPlaneCallback(Callback):
         if info is not None:
             self._advance(host, meta, info)
         if self.log_metrics:
-            self._log(pl_module, host, meta)
+            self._log(trainer, pl_module, host)
 
     def _index_in_step(self, info: Mapping[str, Any]) -> int:
         return int(info.get("index_in_step", self.microbatches_done))
@@ -199,32 +206,39 @@ class DataPlaneCallback(Callback):
         if self.clear_rows and step_rows:
             call_dp(self.client, "clear_samples", sample_ids=step_rows, partition_id=meta.partition_id)
 
-    def _log(self, pl_module: LightningModule, host: Any, meta: KVBatchMeta) -> None:
+    def _log(self, trainer: Trainer, pl_module: LightningModule, host: Any) -> None:
+        """Accumulate this step's figures; log their per-step mean every ``log_every_n_steps``.
+
+        ``pl_module.log`` costs a few hundred microseconds a key, so the figures are logged as
+        often as Lightning writes to its loggers, not on every microbatch.
+        """
         assert self.client is not None
         now = self.client.snapshot()
         delta = now.minus(self._last)
         self._last = now
+        window = self._window
+        for name in ("bytes_read", "bytes_written", "rows_read", "rows_written"):
+            window[name] = window.get(name, 0.0) + getattr(delta, name)
+        window["dp_time_s"] = window.get("dp_time_s", 0.0) + delta.seconds
         stats = getattr(host, "dp_batch_stats", None) or {}
-        values = {
-            "bytes_read": delta.bytes_read,
-            "bytes_written": delta.bytes_written,
-            "rows_read": delta.rows_read,
-            "rows_written": delta.rows_written,
-            "dp_time_s": delta.seconds,
-        }
-        if stats:
-            padded = stats["padded_tokens"]
-            values.update(
-                real_tokens=stats["real_tokens"],
-                padded_tokens=padded,
-                pad_fraction=0.0 if not padded else 1.0 - stats["real_tokens"] / padded,
-                layout_time_s=stats["layout_s"],
-            )
+        for name, key in (("real_tokens", "real_tokens"), ("padded_tokens", "padded_tokens"),
+                          ("layout_time_s", "layout_s")):
+            if key in stats:
+                window[name] = window.get(name, 0.0) + stats[key]
+        self._window_steps += 1
+        every = self.log_every_n_steps or trainer.log_every_n_steps
+        if self._window_steps < every:
+            return
+        steps = self._window_steps
+        values = {name: total / steps for name, total in window.items()}
+        if window.get("padded_tokens"):
+            values["pad_fraction"] = 1.0 - window["real_tokens"] / window["padded_tokens"]
+        self._window, self._window_steps = {}, 0
         pl_module.log_dict(
             {f"dp/{self.role}/{k}": float(v) for k, v in values.items()},
             on_step=True,
             on_epoch=False,
-            batch_size=max(meta.size, 1),
+            batch_size=1,
         )
 
     # ------------------------------------------------------------------ checkpoint state
