@@ -5,7 +5,10 @@ One forward serves both training layouts the Lightning mixin produces:
 * ``padded``: ``input_ids [B, S]``; every row is one sequence (segment 0).
 * ``packed``: ``input_ids [1, T]`` holding several sequences back to back, with ``position_ids``
   restarting at 0 and ``segment_ids`` telling the sequences apart. Attention is causal *within* a
-  segment only, so a packed row computes exactly what the padded rows would.
+  segment only, so a packed row computes exactly what the padded rows would. The linear layers
+  run on the packed tokens; attention scatters them into a ``[segments, longest]`` block for the
+  one causal SDPA call and gathers them back (a CPU stand-in for varlen attention kernels), so a
+  packed row never pays a ``T x T`` mask.
 
 Media: positions whose token is ``image_token_id`` take their embedding from the row's staged
 pixel patches (one patch per placeholder, in order), so the model conditions on the pixels.
@@ -31,14 +34,22 @@ class _Block(nn.Module):
                                  nn.Linear(4 * d_model, d_model))
         self.dropout = dropout
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, unpack: tuple[torch.Tensor, int, int] | None) -> torch.Tensor:
         b, s, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.n_heads, d // self.n_heads).unbind(2)
+        qkv = self.qkv(self.ln1(x)).view(b, s, 3, self.n_heads, d // self.n_heads)
+        if unpack is not None:  # packed row: attend per segment in a [segments, longest] block
+            slot, segments, longest = unpack
+            block = qkv.new_zeros(segments * longest, 3, self.n_heads, d // self.n_heads)
+            block[slot] = qkv[0]
+            qkv = block.view(segments, longest, 3, self.n_heads, d // self.n_heads)
+        q, k, v = qkv.unbind(2)
         y = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask,
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
             dropout_p=self.dropout if self.training else 0.0,
-        )
-        x = x + self.proj(y.transpose(1, 2).reshape(b, s, d))
+        ).transpose(1, 2)
+        if unpack is not None:
+            y = y.reshape(-1, self.n_heads, d // self.n_heads)[unpack[0]].unsqueeze(0)
+        x = x + self.proj(y.reshape(b, s, d))
         return x + self.mlp(self.ln2(x))
 
 
@@ -107,13 +118,15 @@ class TinyTransformer(nn.Module):
                     f"{int(slots.sum())} image placeholder tokens"
                 )
             x = x.masked_scatter(slots.unsqueeze(-1), self.patch(image_patches.to(x.dtype)))
-        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
-        mask = causal.expand(b, s, s)
+        unpack = None
         if segment_ids is not None:
-            mask = mask & (segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1))
-        mask = mask.unsqueeze(1)
+            if b != 1:
+                raise ValueError(f"a packed batch is one row [1, T], got input_ids {tuple(input_ids.shape)}")
+            segments = int(segment_ids.max()) + 1
+            longest = int(position_ids.max()) + 1
+            unpack = ((segment_ids[0] * longest + position_ids[0]), segments, longest)
         for block in self.blocks:
-            x = block(x, mask)
+            x = block(x, unpack)
         out = self.head(self.ln_f(x))
         return out.squeeze(-1) if out.shape[-1] == 1 else out + self.out_bias
 

@@ -64,6 +64,7 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         self.dp_read_fields = POLICY_TRAIN_FIELDS + (VALUE_TRAIN_FIELDS if value is not None else [])
         self.automatic_optimization = False
         self.loss_norm = 1  # action tokens of one global batch, set by the recipe each step
+        self.current_reward = 0.0  # the step's mean rollout reward, shown in the progress bar
         self.step_hook: Any = None  # called with (meta, stats) after each microbatch
         self.train_seconds = 0.0
 
@@ -150,6 +151,8 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         stats.update(loss=float(loss.detach()), seconds=elapsed, **self.dp_batch_stats)
         if self.step_hook is not None:
             self.step_hook(meta, stats)
+        self.log_dict({"reward": self.current_reward, "rl_step": float(info["step"])},
+                      prog_bar=True, on_step=True, on_epoch=False, batch_size=max(meta.size, 1))
         return {"loss": loss.detach()}
 
     @staticmethod

@@ -129,6 +129,7 @@ class RLRecipe:
         batch = self.worker.run(m.policy, step=step, prompts=self.rc.prompts_per_step,
                                 group_size=self.rc.group_size, generator=self.generator)
         t1 = time.perf_counter()
+        m.current_reward = float(batch.rewards.mean())
         meta = self.reassembler.finalize_group(batch.receipts, partition_id=self.rc.train_partition)
         m.write_to_dataplane(meta, {TURN_REWARDS: batch.turn_scores / self.task.turns})
         m.write_prev_logprobs(meta)
