@@ -25,8 +25,13 @@ $(STAMP): $(PY) pyproject.toml
 
 install: $(STAMP)
 
+# The main job: PPO on the embedded backend; results under outputs/ppo/<time>/.
 run: $(STAMP)
-	$(PY) -m tq_plugin.demo
+	$(PY) recipes/ppo.py
+
+# One multirun over the packing settings; the comparison lands in the sweep dir.
+sweep: $(STAMP)
+	$(VENV)/bin/tq-train -m tq/packing=none,sequence_packing,dynamic_batching tq.packing.train_mb_tokens=256,1024 recipe.num_steps=30
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
