@@ -25,16 +25,16 @@ def _quiet_lightning() -> None:
 @pytest.fixture
 def make_trainer(tmp_path: Any) -> Callable[..., Trainer]:
     def make(**kwargs: Any) -> Trainer:
-        opts: dict[str, Any] = dict(
-            accelerator="cpu",
-            devices=1,
-            max_epochs=1,
-            logger=False,
-            enable_progress_bar=False,
-            enable_checkpointing=False,
-            enable_model_summary=False,
-            default_root_dir=str(tmp_path),
-        )
+        opts: dict[str, Any] = {
+            "accelerator": "cpu",
+            "devices": 1,
+            "max_epochs": 1,
+            "logger": False,
+            "enable_progress_bar": False,
+            "enable_checkpointing": False,
+            "enable_model_summary": False,
+            "default_root_dir": str(tmp_path),
+        }
         opts.update(kwargs)
         return Trainer(**opts)
 

@@ -50,7 +50,7 @@ class FailingPolicy(DemoPolicy):
 
 
 def fit(make_trainer: Callable[..., Trainer], model: Any, callbacks: list[Any], **dm: Any) -> Trainer:
-    opts: dict[str, Any] = dict(num_steps=2, fields=POLICY_FIELDS)
+    opts: dict[str, Any] = {"num_steps": 2, "fields": POLICY_FIELDS}
     opts.update(dm)
     source = opts.pop("source", SyntheticRollouts(rows=4))
     trainer = make_trainer(callbacks=callbacks)

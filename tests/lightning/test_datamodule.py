@@ -49,7 +49,7 @@ def test_shared_rows_rank0_produces_and_every_rank_takes_its_shard() -> None:
     for rank in range(2):
         trainer, _ = stand_in(rank, step_meta, client)
         calls: list[int] = []
-        dm = MetaDataModule(lambda s, c: calls.append(s) or step_meta, num_steps=1,
+        dm = MetaDataModule(lambda s, c, calls=calls: calls.append(s) or step_meta, num_steps=1,
                             fields=POLICY_FIELDS, rows="shared")
         dm.trainer = trainer
         mbs = list(dm.iter_microbatches())

@@ -18,7 +18,7 @@ def test_ddp_ranks_keep_their_rows_and_agree_on_target_and_counts(tmp_path: Path
     launcher_vars = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_")
     env = {k: v for k, v in os.environ.items() if not k.startswith(launcher_vars)}
     proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=180)
+                          capture_output=True, text=True, timeout=180, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     # Same number of steps on both ranks (else DDP would have hung), in the same step order.

@@ -16,8 +16,13 @@ from tq_plugin.data_plane import (
     KVBatchMeta,
     LocalDataPlane,
 )
-from tq_plugin.lightning import CU_SEQLENS, MICROBATCH_INFO, POSITION_IDS, DataPlaneCallback, MetaDataModule
-from tq_plugin.lightning.module import MICRO_BATCH_LENGTH
+from tq_plugin.lightning import (
+    CU_SEQLENS,
+    MICROBATCH_INFO,
+    POSITION_IDS,
+    DataPlaneCallback,
+    MetaDataModule,
+)
 from tq_plugin.lightning.demo import (
     POLICY_FIELDS,
     VALUE_FIELDS,
@@ -26,6 +31,7 @@ from tq_plugin.lightning.demo import (
     SyntheticRollouts,
     partition_spec,
 )
+from tq_plugin.lightning.module import MICRO_BATCH_LENGTH
 
 ROWS, STEPS, BUDGET, ROUND = 6, 2, 40, 8
 
@@ -130,7 +136,7 @@ def test_ppo_epochs_policy_and_value_keep_their_own_pad_targets(make_trainer: An
                                          role="value", epochs_per_step=2))
     longest = max(caller.sequence_lengths)
     assert longest < 16
-    epochs = lambda model: {m.extra_info[MICROBATCH_INFO]["epoch"] for m, _ in model.received}  # noqa: E731
+    epochs = lambda model: {m.extra_info[MICROBATCH_INFO]["epoch"] for m, _ in model.received}
     assert epochs(policy) == epochs(value) == {0, 1}
     assert {b[INPUT_IDS].shape[1] for _, b in policy.received} == {16}
     assert {b[INPUT_IDS].shape[1] for _, b in value.received} == {longest}

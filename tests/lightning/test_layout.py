@@ -17,7 +17,7 @@ from tq_plugin.data_plane import (
     first_write,
     nested_from_lengths,
 )
-from tq_plugin.lightning import CU_SEQLENS, POSITION_IDS, SEGMENT_IDS, PackedIndex, MetaBatchMixin
+from tq_plugin.lightning import CU_SEQLENS, POSITION_IDS, SEGMENT_IDS, MetaBatchMixin, PackedIndex
 from tq_plugin.lightning.layout import packed_batch, padded_batch
 from tq_plugin.lightning.module import PACK_PAD_MULTIPLE
 

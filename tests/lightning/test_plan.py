@@ -27,7 +27,7 @@ def step_meta(lengths: list[int] = LENGTHS, prefix: str = "k") -> KVBatchMeta:
 
 
 def plan(host: Host, meta: KVBatchMeta, **kwargs: Any) -> list[KVBatchMeta]:
-    opts: dict[str, Any] = dict(host=host, fields=[INPUT_IDS], task_name="train", step=3)
+    opts: dict[str, Any] = {"host": host, "fields": [INPUT_IDS], "task_name": "train", "step": 3}
     opts.update(kwargs)
     return plan_step(meta, **opts)
 
@@ -87,7 +87,7 @@ def test_local_rows_agree_on_target_and_counts_through_reduce_max() -> None:
     for r, m in enumerate(metas):
         answers = iter(maxima)
         agreed.append(plan(host, m, rows="local", world_size=2, rank=r,
-                           reduce_max=lambda values: next(answers)))
+                           reduce_max=lambda values, answers=answers: next(answers)))
     assert len(own[0]) != len(own[1])
     assert len(agreed[0]) == len(agreed[1])
     for r, m in enumerate(metas):

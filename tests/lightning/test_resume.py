@@ -26,7 +26,7 @@ class LedgerClient(LocalDataPlane):
         return super().get_samples(sample_ids, partition_id, select_fields)
 
     def put_samples(self, sample_ids: Any, partition_id: str, fields: Any = None, tags: Any = None) -> Any:
-        if fields is not None and INPUT_IDS not in fields.keys():
+        if fields is not None and INPUT_IDS not in list(fields.keys()):
             self.ledger["written"] += list(sample_ids)
         return super().put_samples(sample_ids, partition_id, fields, tags)
 

@@ -209,12 +209,12 @@ POLICY_FIELDS = list(DP_TRAIN_FIELDS)
 VALUE_FIELDS = list(DP_VALUE_TRAIN_FIELDS)
 
 __all__ = [
-    "DemoPolicy",
-    "DemoValue",
     "POLICY_FIELDS",
     "ROLLOUT_FIELDS",
-    "SyntheticRollouts",
     "VALUE_FIELDS",
+    "DemoPolicy",
+    "DemoValue",
+    "SyntheticRollouts",
     "packing_setup",
     "partition_spec",
 ]

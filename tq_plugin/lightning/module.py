@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -40,12 +41,12 @@ class MetaBatchMixin:
 
     dp_layout: str = "padded"
     dp_read_fields: Sequence[str] | None = None
-    dp_pad_values: Mapping[str, Any] = {}
+    dp_pad_values: Mapping[str, Any] = MappingProxyType({})
     dp_pad_to: str = "target"
     dp_client: Any = None
     dp_meta: KVBatchMeta | None = None
     dp_packed_index: PackedIndex | None = None
-    dp_batch_stats: dict[str, float] = {}
+    dp_batch_stats: Mapping[str, float] = MappingProxyType({})
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         if isinstance(batch, KVBatchMeta):
@@ -91,7 +92,8 @@ class MetaBatchMixin:
         else:
             td = padded_batch(wire, pad_to=self._dp_pad_target(meta), pad_values=self.dp_pad_values)
             self.dp_packed_index = None
-            width = td[INPUT_IDS].shape[1] if INPUT_IDS in td.keys() else self._dp_pad_target(meta)
+            keys = td.keys()  # a TensorDict refuses `in`
+            width = td[INPUT_IDS].shape[1] if INPUT_IDS in keys else self._dp_pad_target(meta)
             padded_tokens = meta.size * int(width)
         if torch.cuda.is_available() and self._dp_device_type() == "cuda":
             td = td.pin_memory()
