@@ -252,3 +252,36 @@ def test_long_and_short_float_columns_hash_alike_and_reject_alike(n: int) -> Non
         compute_staging_digest(**{**call, "generation_log_probs_delta": [-0.5] + logprobs[1:]})
     with pytest.raises(ValueError, match="only 0.0 or 1.0"):
         compute_staging_digest(**{**call, "token_mask_delta": mask[:-1] + [0.5]})
+
+
+@pytest.mark.parametrize(
+    "mask,logprobs,ok",
+    [
+        ([0.0, 0.0, 1.0], [0.0, -0.0, -1.0], True),
+        ([1.0, 0.0, 1.0], [-1.0, 0.0, -1.0], True),  # interleaved carry (the verifier's concern)
+        ([1.0, 0.0, 1.0], [-1.0, -1e-50, -1.0], False),
+        ([0.0, 0.0, 0.0], [0.0, 0.0, 1e-300], False),
+        ([1.0, 1.0], [-1.0, -2.0], True),
+        ([0.0, 1.0, 0.0], [0.0, -1.0, 5e-324], False),
+        ([0.0, 1.0, -0.0], [0.0, -1.0, 0.0], True),
+    ],
+)
+def test_carry_rule_holds_for_every_mask_layout(mask, logprobs, ok) -> None:
+    call = {**GOLDEN_CALL, "delta_len": 3, "cum_len": 6, "token_ids_delta": [1, 2, 3][: len(mask)]}
+    call.update(
+        delta_len=len(mask),
+        cum_len=3 + len(mask),
+        token_mask_delta=mask,
+        generation_log_probs_delta=logprobs,
+    )
+    wire = {
+        **call,
+        "token_mask_delta": np.asarray(mask),
+        "generation_log_probs_delta": np.asarray(logprobs),
+    }
+    for fields in (call, wire):
+        if ok:
+            compute_staging_digest(**fields)
+        else:
+            with pytest.raises(ValueError, match="prompt-carry"):
+                compute_staging_digest(**fields)

@@ -183,9 +183,14 @@ def float32_bytes(values: Any, name: str, *, check_types: bool = True) -> tuple[
 def _check_mask_and_carry(mask: Any, logprobs: Any) -> None:
     """Masks are 0.0 / 1.0 only; a carry position (mask 0.0) has logprob 0.0 (either sign)."""
     if type(mask) is list and type(logprobs) is list:
-        if not set(mask) <= {0.0, 1.0}:
+        zeros, ones = mask.count(0.0), mask.count(1.0)
+        if zeros + ones != len(mask):
             raise ValueError("token_mask_delta must contain only 0.0 or 1.0")
-        if any(compress(logprobs, map(not_, mask))):
+        if zeros and ones and mask.index(1.0) != zeros:  # carry not all leading: scan it all
+            carry = any(compress(logprobs, map(not_, mask)))
+        else:
+            carry = any(logprobs[:zeros]) if ones else any(logprobs)
+        if carry:
             raise ValueError("prompt-carry log probabilities must be 0.0")
         return
     mask, logprobs = np.asarray(mask), np.asarray(logprobs)
