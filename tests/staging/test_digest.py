@@ -13,38 +13,28 @@ import torch
 
 from tq_plugin.staging import (
     EMPTY_EXTRAS_DIGEST,
+    assert_golden_vectors,
     compute_chain_hash,
     compute_extras_digest,
     compute_staging_digest,
     encode_token_ids,
     hash_token_ids,
+    load_golden_vectors,
 )
 
-GOLDEN_EXTRAS = {"routed_experts": [[[1, 2]], [[3, 4]]]}
-GOLDEN_EXTRAS_DIGEST = "032024e899456be6e9a78c6d0399c5112d2ca7fa18d4ea9cf0d8cb7d0094f3a3"
-GOLDEN_CALL = {
-    "schema_version": 2,
-    "digest_version": 2,
-    "extras_digest_version": 1,
-    "rollout_id": "rollout-1",
-    "model_call_id": "call-1",
-    "parent_call_id": "parent-1",
-    "mode": "token_in",
-    "prev_len": 3,
-    "delta_len": 2,
-    "cum_len": 5,
-    "weight_version": 7,
-    "token_ids_delta": [10, 11],
-    "token_mask_delta": [0.0, 1.0],
-    "generation_log_probs_delta": [0.0, -0.25],
-    "extras_digest": GOLDEN_EXTRAS_DIGEST,
-    "chain_hash": "1" * 64,
-    "cumulative_hash": "2" * 64,
-}
-GOLDEN_CALL_DIGEST = "1122c7fe7e914c809eb9b1c09b26d94a50c1eb2790e7430fbcd8363b846ccf27"
+GOLDEN = load_golden_vectors()
+GOLDEN_EXTRAS = GOLDEN["extras"]
+GOLDEN_EXTRAS_DIGEST = GOLDEN["extras_digest"]
+GOLDEN_CALL = GOLDEN["staged_call"]
+GOLDEN_CALL_DIGEST = GOLDEN["staged_call_digest"]
 
 
 def test_golden_vectors_reproduce() -> None:
+    assert_golden_vectors()
+    assert (
+        GOLDEN_EXTRAS_DIGEST == "032024e899456be6e9a78c6d0399c5112d2ca7fa18d4ea9cf0d8cb7d0094f3a3"
+    )
+    assert GOLDEN_CALL_DIGEST == "1122c7fe7e914c809eb9b1c09b26d94a50c1eb2790e7430fbcd8363b846ccf27"
     assert compute_extras_digest(GOLDEN_EXTRAS) == GOLDEN_EXTRAS_DIGEST
     assert compute_staging_digest(**GOLDEN_CALL) == GOLDEN_CALL_DIGEST
 

@@ -193,6 +193,8 @@ def test_gym_admissions_resolve_through_our_cache(client, worker) -> None:
 
 def test_golden_vectors_agree_with_gyms_shipped_json() -> None:
     gym.assert_golden_vectors()
+    ours.assert_golden_vectors()
+    assert gym.load_golden_vectors() == ours.load_golden_vectors()
     vectors = gym.load_golden_vectors()
     assert ours.compute_extras_digest(vectors["extras"]) == vectors["extras_digest"]
     assert ours.compute_staging_digest(**vectors["staged_call"]) == vectors["staged_call_digest"]

@@ -12,6 +12,7 @@ from tq_plugin.staging import (
     StagedCallRecord,
     TQTokenSink,
     TQTokenSource,
+    load_golden_vectors,
 )
 
 TEXT_PARTITION = "rollout_staging"
@@ -190,24 +191,11 @@ def test_a_record_whose_extras_disagree_with_its_digest_is_not_staged(text_sink,
 
 
 def test_the_golden_vector_call_stages_and_fetches_byte_exact(text_sink, text_source) -> None:
-    golden = {
-        "rollout_id": "rollout-1",
-        "model_call_id": "call-1",
-        "parent_call_id": "parent-1",
-        "mode": "token_in",
-        "prev_len": 3,
-        "delta_len": 2,
-        "cum_len": 5,
-        "weight_version": 7,
-        "token_ids_delta": [10, 11],
-        "token_mask_delta": [0.0, 1.0],
-        "generation_log_probs_delta": [0.0, -0.25],
-        "extras_digest": "032024e899456be6e9a78c6d0399c5112d2ca7fa18d4ea9cf0d8cb7d0094f3a3",
-        "chain_hash": "1" * 64,
-        "cumulative_hash": "2" * 64,
-        "digest": "1122c7fe7e914c809eb9b1c09b26d94a50c1eb2790e7430fbcd8363b846ccf27",
-    }
-    record = StagedCallRecord(**golden, extras={"routed_experts": [[[1, 2]], [[3, 4]]]})
+    vectors = load_golden_vectors()
+    golden = {**vectors["staged_call"], "digest": vectors["staged_call_digest"]}
+    for version in ("schema_version", "digest_version", "extras_digest_version"):
+        golden.pop(version)
+    record = StagedCallRecord(**golden, extras=vectors["extras"])
     assert text_sink.stage(record).ok
     (item,) = text_source.fetch_for_finalization(["rollout-1/call-1"], include_route_fragments=True)
     assert item.snapshot.digest == golden["digest"] and item.routed_len == 2

@@ -14,6 +14,7 @@ from tq_plugin.staging.capture import (
     make_staged_call_record,
     make_staged_chain,
 )
+from tq_plugin.staging.conformance import assert_golden_vectors, load_golden_vectors
 from tq_plugin.staging.digest import (
     EMPTY_EXTRAS_DIGEST,
     EXTRAS_DIGEST_VERSION,
@@ -128,6 +129,7 @@ __all__ = [
     "WeightVersionProvider",
     "WeightVersionSpan",
     "_media_sentinels",
+    "assert_golden_vectors",
     "build_staging_delta",
     "call_record_for",
     "compute_chain_hash",
@@ -135,6 +137,7 @@ __all__ = [
     "compute_staging_digest",
     "encode_token_ids",
     "hash_token_ids",
+    "load_golden_vectors",
     "make_rollout_receipt",
     "make_staged_call_record",
     "make_staged_chain",
