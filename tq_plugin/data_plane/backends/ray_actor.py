@@ -164,6 +164,9 @@ class RayDataPlane:
     def list_sample_ids(self, partition_id: str) -> list[str]:
         return self._call("list_sample_ids", partition_id)
 
+    def list_partitions(self) -> list[str]:
+        return self._call("list_partitions")
+
     def claim_meta(self, partition_id: str, task_name: str, required_fields: Sequence[str],
                    batch_size: int, dp_rank: int | None = None, blocking: bool = True,
                    timeout_s: float = 60.0) -> KVBatchMeta:
