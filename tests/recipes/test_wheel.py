@@ -38,6 +38,7 @@ def test_wheel_ships_plugin_and_configs(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "hydra_plugins/tq_plugin/__init__.py" in names
     assert "hydra_plugins/__init__.py" not in names
+    assert "tq_plugin/rl/recipe.py" in names and "tq_plugin/cli.py" in names
     for yaml in ("train.yaml", "tq/packing/sequence_packing.yaml", "tq/staging/media.yaml",
                  "tq/backend/local.yaml", "recipe/grpo.yaml"):
         assert f"tq_plugin/conf/{yaml}" in names, yaml

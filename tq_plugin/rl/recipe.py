@@ -72,7 +72,6 @@ class RLRecipe:
         if self.rc.num_threads:
             torch.set_num_threads(self.rc.num_threads)
         torch.manual_seed(self.rc.seed)
-        self.generator = torch.Generator().manual_seed(self.rc.seed)
         self.task = instantiate(self.cfg.task, media=self.media, seed=self.rc.seed)
         self._setup_models()
         self._setup_trainer()
@@ -112,6 +111,8 @@ class RLRecipe:
     def _setup_data_path(self) -> None:
         """Staging sink, rollout worker and reassembler, on the client the callback built."""
         client = self.module.dp_client
+        # Under DDP every rank generates its own rollouts: give each rank its own stream.
+        self.generator = torch.Generator().manual_seed(self.rc.seed + 1009 * self.trainer.global_rank)
         self.sink = instantiate(self.cfg.tq.staging)(client)
         self.worker = RolloutWorker(task=self.task, sink=self.sink, temperature=self.rc.temperature,
                                     max_new_tokens=self.rc.max_new_tokens)
