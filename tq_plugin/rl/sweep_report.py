@@ -88,7 +88,7 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     labels = [r["overrides"].replace(" ", "\n") or r["job"] for r in rows]
-    fig, axes = plt.subplots(1, 4, figsize=(4 * 4, 4 + 0.3 * max(len(labels), 1)))
+    fig, axes = plt.subplots(1, 4, figsize=(14, 2 + 0.45 * max(len(labels), 1)), sharey=True)
     for ax, (key, title) in zip(axes, [("tokens_per_s", "train tokens/s"),
                                       ("padded_fraction", "padded-token fraction"),
                                       ("peak_rss_mb", "peak RSS (MB)"),
@@ -97,8 +97,8 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
         colours = ["tab:blue" if r["status"] == "ok" else "tab:red" for r in rows]
         ax.barh(range(len(rows)), values, color=colours)
         ax.set_yticks(range(len(rows)), labels, fontsize=7)
-        ax.invert_yaxis()
         ax.set_title(title)
+    axes[0].invert_yaxis()
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
