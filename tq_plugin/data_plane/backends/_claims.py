@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import torch
+import numpy as np
 from tensordict import TensorDict
 
 from tq_plugin.data_plane.meta import KVBatchMeta
@@ -82,14 +82,14 @@ class TaskCursors:
         candidates = sorted((s for s in part.slot_of if s not in claimed), key=part.arrival.__getitem__)
         if not candidates or not required:
             return candidates[:limit]
-        slots = torch.tensor([part.slot_of[s] for s in candidates], dtype=torch.int64)
-        ready = torch.ones(len(candidates), dtype=torch.bool)
+        slots = np.array([part.slot_of[s] for s in candidates], dtype=np.int64)
+        ready = np.ones(len(candidates), dtype=bool)
         for name in required:
             col = part.columns.get(name)
             if col is None:
                 return []
             ready &= col.has(slots)
-        picked = torch.nonzero(ready).flatten()[:limit].tolist()
+        picked = np.flatnonzero(ready)[:limit].tolist()
         return [candidates[i] for i in picked]
 
     @staticmethod
@@ -97,7 +97,7 @@ class TaskCursors:
         col = part.columns.get(name)
         if not ids or col is None or col.spec.jagged or col.spec.shape != ():
             return None
-        slots = torch.tensor([part.slot_of[s] for s in ids], dtype=torch.int64)
+        slots = np.array([part.slot_of[s] for s in ids], dtype=np.int64)
         if not bool(col.has(slots).all()):
             return None
         return [int(x) for x in col.read(slots).tolist()]  # type: ignore[union-attr]

@@ -12,8 +12,9 @@ calling them, under its lock, which is what makes a put atomic.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 # Above this many separate storage runs in one read, one vectorized index gather beats a
@@ -21,9 +22,11 @@ import torch
 _MAX_RUNS_FOR_CAT = 64
 
 
-@dataclass(frozen=True)
-class ColumnSpec:
-    """What a column holds: kind, dtype and the per-row (dense) or per-element (jagged) shape."""
+class ColumnSpec(NamedTuple):
+    """What a column holds: kind, dtype and the per-row (dense) or per-element (jagged) shape.
+
+    A tuple, so the per-field check on every put is one cheap comparison.
+    """
 
     jagged: bool
     dtype: torch.dtype
@@ -45,7 +48,7 @@ def _grow(buf: torch.Tensor, need: int) -> torch.Tensor:
     return out
 
 
-def gather_rows(values: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+def gather_rows(values: torch.Tensor, starts: np.ndarray, lengths: np.ndarray) -> torch.Tensor:
     """Concatenate ``values[starts[i] : starts[i] + lengths[i]]`` for every i, as one new tensor.
 
     Rows that sit back to back in storage (the usual case: a read in put order) are copied as
@@ -58,35 +61,47 @@ def gather_rows(values: torch.Tensor, starts: torch.Tensor, lengths: torch.Tenso
     if total == 0:
         return values.new_empty((0, *values.shape[1:]))
     ends = starts + lengths
-    breaks = torch.nonzero(starts[1:] != ends[:-1]).flatten() + 1
-    if breaks.numel() < _MAX_RUNS_FOR_CAT:
-        bounds = [0, *breaks.tolist(), n]
-        if len(bounds) == 2:
+    breaks = np.flatnonzero(starts[1:] != ends[:-1]) + 1
+    if breaks.shape[0] < _MAX_RUNS_FOR_CAT:
+        if breaks.shape[0] == 0:
             s = int(starts[0])
             return values[s : s + total].clone()
+        bounds = [0, *breaks.tolist(), n]
         return torch.cat(
             [values[int(starts[a]) : int(ends[b - 1])] for a, b in zip(bounds[:-1], bounds[1:])]
         )
-    order = torch.argsort(starts)
+    order = np.argsort(starts, kind="stable")
     s_sorted, e_sorted = starts[order], ends[order]
-    gaps = s_sorted.clone()
-    gaps[1:] -= e_sorted[:-1]
+    gaps = np.empty_like(s_sorted)
     gaps[0] = 0
-    sizes = torch.stack([gaps, lengths[order]], 1).flatten().tolist()
+    gaps[1:] = s_sorted[1:] - e_sorted[:-1]
+    sizes = np.stack([gaps, lengths[order]], 1).ravel().tolist()
     region = values[int(s_sorted[0]) : int(e_sorted[-1])]
     rows_in_storage_order = region.split(sizes)[1::2]
-    rank = torch.empty_like(order)
-    rank[order] = torch.arange(n)
+    rank = np.empty_like(order)
+    rank[order] = np.arange(n)
     return torch.cat([rows_in_storage_order[i] for i in rank.tolist()])
 
 
-class _Presence:
-    present: torch.Tensor
+def _grow_array(arr: np.ndarray, capacity: int) -> np.ndarray:
+    if capacity <= arr.shape[0]:
+        return arr
+    out = np.zeros(max(capacity, 2 * arr.shape[0]), dtype=arr.dtype)
+    out[: arr.shape[0]] = arr
+    return out
 
-    def has(self, slots: torch.Tensor) -> torch.Tensor:
+
+class _Presence:
+    """Per-slot bookkeeping lives in numpy: one-row puts (token staging) pay ~1 us per op
+    instead of a torch dispatch, and bulk puts stay vectorized."""
+
+    present: np.ndarray
+    live_rows: int
+
+    def has(self, slots: np.ndarray) -> np.ndarray:
         """Per requested slot: does this column hold a value for it?"""
+        out = np.zeros(slots.shape[0], dtype=bool)
         inside = slots < self.present.shape[0]
-        out = torch.zeros(slots.shape[0], dtype=torch.bool)
         out[inside] = self.present[slots[inside]]
         return out
 
@@ -95,28 +110,33 @@ class DenseColumn(_Presence):
     def __init__(self, spec: ColumnSpec) -> None:
         self.spec = spec
         self.data = torch.empty((0, *spec.shape), dtype=spec.dtype)
-        self.present = torch.zeros(0, dtype=torch.bool)
+        self.present = np.zeros(0, dtype=bool)
         self.live_rows = 0
 
-    def reserve_slots(self, slot_capacity: int) -> None:
-        self.data = _grow(self.data, slot_capacity)
-        if self.present.shape[0] < slot_capacity:
-            grown = torch.zeros(self.data.shape[0], dtype=torch.bool)
-            grown[: self.present.shape[0]] = self.present
-            self.present = grown
-
-    def write(self, slots: torch.Tensor, block: torch.Tensor) -> None:
-        self.reserve_slots(int(slots.max()) + 1)
-        self.live_rows += int((~self.present[slots]).sum())
-        self.data.index_copy_(0, slots, block)
+    def write(self, slots: np.ndarray, block: torch.Tensor, need: int) -> bool:
+        """Write rows (``need`` = max slot + 1); True when a buffer was reallocated."""
+        grew = need > self.data.shape[0]
+        if grew:
+            self.data = _grow(self.data, need)
+            self.present = _grow_array(self.present, self.data.shape[0])
+        if slots.shape[0] == 1:  # one-row puts (token staging): plain scalar bookkeeping
+            slot = int(slots[0])
+            if not self.present[slot]:
+                self.live_rows += 1
+                self.present[slot] = True
+            self.data[slot] = block[0]
+            return grew
+        self.live_rows += int(slots.shape[0] - np.count_nonzero(self.present[slots]))
+        self.data.index_copy_(0, torch.from_numpy(slots), block)
         self.present[slots] = True
+        return grew
 
-    def read(self, slots: torch.Tensor) -> torch.Tensor:
-        return self.data.index_select(0, slots)
+    def read(self, slots: np.ndarray) -> torch.Tensor:
+        return self.data.index_select(0, torch.from_numpy(slots))
 
-    def drop(self, slots: torch.Tensor) -> None:
+    def drop(self, slots: np.ndarray) -> None:
         slots = slots[slots < self.present.shape[0]]
-        self.live_rows -= int(self.present[slots].sum())
+        self.live_rows -= int(np.count_nonzero(self.present[slots]))
         self.present[slots] = False
 
     @property
@@ -135,56 +155,65 @@ class JaggedColumn(_Presence):
         self.values = torch.empty((0, *spec.shape), dtype=spec.dtype)
         self.used = 0
         self.garbage = 0
-        self.start = torch.zeros(0, dtype=torch.int64)
-        self.length = torch.zeros(0, dtype=torch.int64)
-        self.present = torch.zeros(0, dtype=torch.bool)
+        self.start = np.zeros(0, dtype=np.int64)
+        self.length = np.zeros(0, dtype=np.int64)
+        self.present = np.zeros(0, dtype=bool)
         self.live_rows = 0
 
-    def reserve_slots(self, slot_capacity: int) -> None:
-        cap = self.present.shape[0]
-        if slot_capacity <= cap:
-            return
-        new_cap = max(slot_capacity, 2 * cap)
-        for name in ("start", "length", "present"):
-            old = getattr(self, name)
-            grown = torch.zeros(new_cap, dtype=old.dtype)
-            grown[:cap] = old
-            setattr(self, name, grown)
+    def _reserve_slots(self, capacity: int) -> None:
+        if capacity > self.present.shape[0]:
+            self.start = _grow_array(self.start, capacity)
+            self.length = _grow_array(self.length, capacity)
+            self.present = _grow_array(self.present, capacity)
 
-    def _reserve_values(self, extra: int) -> None:
+    def _reserve_values(self, extra: int) -> bool:
         if self.used + extra <= self.values.shape[0]:
-            return
+            return False
         if self.garbage:
             self.compact(extra)
         self.values = _grow(self.values, self.used + extra)
+        return True
 
-    def write(self, slots: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> None:
-        self.reserve_slots(int(slots.max()) + 1)
+    def write(
+        self, slots: np.ndarray, values: torch.Tensor, lengths: np.ndarray, need: int
+    ) -> bool:
+        """Append rows' values and point their slots at them (``need`` = max slot + 1).
+
+        Returns True when a buffer was reallocated.
+        """
+        self._reserve_slots(need)
         was_present = self.present[slots]
-        self.garbage += int(self.length[slots][was_present].sum())
-        self.live_rows += int((~was_present).sum())
-        # Mark overwritten rows absent before a possible compaction, so it never copies them.
-        self.present[slots] = False
-        self._reserve_values(values.shape[0])
+        overwritten = int(np.count_nonzero(was_present))
+        if overwritten:
+            self.garbage += int(self.length[slots][was_present].sum())
+            # Overwritten rows are absent during a possible compaction, so it never copies them.
+            self.present[slots] = False
+        self.live_rows += slots.shape[0] - overwritten
+        total = values.shape[0]
+        grew = self._reserve_values(total)
         base = self.used
-        self.values[base : base + values.shape[0]].copy_(values)
-        self.start[slots] = base + torch.cumsum(lengths, 0) - lengths
+        self.values[base : base + total].copy_(values)
+        if slots.shape[0] == 1:
+            self.start[slots] = base
+        else:
+            self.start[slots] = base + np.cumsum(lengths) - lengths
         self.length[slots] = lengths
         self.present[slots] = True
-        self.used = base + values.shape[0]
+        self.used = base + total
+        return grew
 
-    def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        lengths = self.length.index_select(0, slots)
-        values = gather_rows(self.values, self.start.index_select(0, slots), lengths)
-        offsets = torch.zeros(slots.shape[0] + 1, dtype=torch.int64)
-        torch.cumsum(lengths, 0, out=offsets[1:])
-        return values, offsets
+    def read(self, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        lengths = self.length[slots]
+        values = gather_rows(self.values, self.start[slots], lengths)
+        offsets = np.zeros(slots.shape[0] + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        return values, torch.from_numpy(offsets)
 
-    def drop(self, slots: torch.Tensor) -> None:
+    def drop(self, slots: np.ndarray) -> None:
         slots = slots[slots < self.present.shape[0]]
         mask = self.present[slots]
         self.garbage += int(self.length[slots][mask].sum())
-        self.live_rows -= int(mask.sum())
+        self.live_rows -= int(np.count_nonzero(mask))
         self.present[slots] = False
         if self.live_rows == 0:
             self.used = 0
@@ -194,15 +223,13 @@ class JaggedColumn(_Presence):
 
     def compact(self, extra: int) -> None:
         """Rewrite live rows, in storage order, into a buffer sized for them plus ``extra``."""
-        live = torch.nonzero(self.present).flatten()
-        starts = self.start[live]
-        order = torch.argsort(starts)
-        live, starts = live[order], starts[order]
+        live = np.flatnonzero(self.present)
+        live = live[np.argsort(self.start[live], kind="stable")]
         lengths = self.length[live]
-        packed = gather_rows(self.values, starts, lengths)
+        packed = gather_rows(self.values, self.start[live], lengths)
         self.values = torch.empty((packed.shape[0] + extra, *self.spec.shape), dtype=self.spec.dtype)
         self.values[: packed.shape[0]].copy_(packed)
-        self.start[live] = torch.cumsum(lengths, 0) - lengths
+        self.start[live] = np.cumsum(lengths) - lengths
         self.used = packed.shape[0]
         self.garbage = 0
 

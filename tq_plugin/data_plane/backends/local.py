@@ -11,8 +11,9 @@ import threading
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 from torch.nested._internal.nested_tensor import NestedTensor
@@ -57,14 +58,13 @@ class _Partition:
     consumed: dict[str, set[str]] = field(default_factory=dict)  # task -> claimed ids
 
 
-@dataclass(frozen=True)
-class _Prepared:
+class _Prepared(NamedTuple):
     """One field of a put, validated and normalized, ready to write."""
 
     name: str
     spec: ColumnSpec
     block: torch.Tensor  # dense: [N, *shape]; jagged: values [total, *shape]
-    lengths: torch.Tensor | None  # jagged only: [N]
+    lengths: np.ndarray | None  # jagged only: [N]
 
 
 class LocalDataPlane(TaskCursors):
@@ -186,8 +186,10 @@ class LocalDataPlane(TaskCursors):
             prepared = [self._prepare(part, name, value, n) for name, value in items]
             if n:
                 slots = self._assign_slots(part, ids)
+                grew = False
+                need = int(slots.max()) + 1
                 for p in prepared:
-                    self._write(part, p, slots)
+                    grew = self._write(part, p, slots, need) or grew
                 if tags is not None:
                     for sid, t in zip(ids, tags):
                         part.tags.setdefault(sid, {}).update(t)
@@ -195,7 +197,8 @@ class LocalDataPlane(TaskCursors):
                     if sid not in part.arrival:
                         part.arrival[sid] = self._arrivals
                         self._arrivals += 1
-                self._peak_bytes = max(self._peak_bytes, self._reserved_bytes())
+                if grew:  # reserved bytes only rise when a buffer is reallocated
+                    self._peak_bytes = max(self._peak_bytes, self._reserved_bytes())
                 self._produced.notify_all()
         names = [name for name, _ in items]
         return KVBatchMeta(
@@ -240,11 +243,10 @@ class LocalDataPlane(TaskCursors):
             if value._lengths is not None:
                 value = value.contiguous()  # a narrowed view with holes
             block = value._values.detach()
-            lengths = value._offsets.diff()
-            if lengths.device.type != "cpu":
-                lengths = lengths.cpu()
+            lengths = value._offsets.diff().cpu().numpy()
         else:
-            value = value.detach()
+            if value.requires_grad:
+                value = value.detach()
             if jagged:
                 if value.dim() < 2:
                     raise ValueError(
@@ -252,20 +254,20 @@ class LocalDataPlane(TaskCursors):
                         f"[N, L, ...], got {tuple(value.shape)}"
                     )
                 block = value.reshape(-1, *value.shape[2:])
-                lengths = torch.full((n,), value.shape[1], dtype=torch.int64)
+                lengths = np.full(n, value.shape[1], dtype=np.int64)
             else:
                 block = value
                 lengths = None
-        if block.device.type != "cpu":
+        if not block.is_cpu:
             block = block.cpu()
-        spec = ColumnSpec(jagged=jagged, dtype=block.dtype, shape=tuple(block.shape[1:]))
+        spec = ColumnSpec(jagged, block.dtype, tuple(block.shape[1:]))
         if live and spec != col.spec:  # type: ignore[union-attr]
             what = "dtype" if spec.dtype != col.spec.dtype else "shape"  # type: ignore[union-attr]
             raise TypeError(
                 f"put_samples: field {name!r} {what} mismatch: live rows hold "
                 f"{col.spec.describe()}, this put has {spec.describe()}"  # type: ignore[union-attr]
             )
-        return _Prepared(name=name, spec=spec, block=block, lengths=lengths)
+        return _Prepared(name, spec, block, lengths)
 
     def _assign_slots(self, part: _Partition, ids: list[str]) -> torch.Tensor:
         lookup = part.slot_of.get
@@ -279,18 +281,17 @@ class LocalDataPlane(TaskCursors):
             part.next_slot += len(fresh)
             part.slot_of.update(zip(new, [*taken, *fresh]))
             slots = list(map(lookup, ids))
-        return torch.tensor(slots, dtype=torch.int64)
+        return np.array(slots, dtype=np.int64)
 
-    def _write(self, part: _Partition, p: _Prepared, slots: torch.Tensor) -> None:
+    def _write(self, part: _Partition, p: _Prepared, slots: np.ndarray, need: int) -> bool:
         col = part.columns.get(p.name)
         if col is None or col.spec != p.spec:
             # No live rows (checked in _prepare): the column may change kind/dtype/shape.
             col = JaggedColumn(p.spec) if p.spec.jagged else DenseColumn(p.spec)
             part.columns[p.name] = col
         if p.spec.jagged:
-            col.write(slots, p.block, p.lengths)  # type: ignore[call-arg, arg-type]
-        else:
-            col.write(slots, p.block)  # type: ignore[call-arg]
+            return col.write(slots, p.block, p.lengths, need)  # type: ignore[call-arg, arg-type]
+        return col.write(slots, p.block, need)  # type: ignore[call-arg]
 
     # ------------------------------------------------------------------ reads
     def get_samples(
@@ -321,7 +322,7 @@ class LocalDataPlane(TaskCursors):
                     f"get_samples: {len(missing)} unknown sample_ids in partition "
                     f"{partition_id!r}: {_name_some(missing)}"
                 )
-            slots = torch.tensor(found, dtype=torch.int64)
+            slots = np.array(found, dtype=np.int64)
             for name in names:
                 col = part.columns.get(name)
                 if col is None:
@@ -332,7 +333,7 @@ class LocalDataPlane(TaskCursors):
                 # Every live row holds the field (the common case): no per-row check needed.
                 have = None if col.live_rows == len(part.slot_of) else col.has(slots)
                 if have is not None and not bool(have.all()):
-                    lacking = [ids[i] for i in torch.nonzero(~have).flatten().tolist()]
+                    lacking = [ids[i] for i in np.flatnonzero(~have).tolist()]
                     raise KeyError(
                         f"get_samples: field {name!r} not written for {len(lacking)} requested "
                         f"rows of partition {partition_id!r}: {_name_some(lacking)}"
@@ -397,7 +398,7 @@ class LocalDataPlane(TaskCursors):
             if not slots:
                 return
             part.free_slots.extend(slots)
-            index = torch.tensor(slots, dtype=torch.int64)
+            index = np.array(slots, dtype=np.int64)
             for col in part.columns.values():
                 col.drop(index)
 
