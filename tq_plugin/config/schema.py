@@ -233,7 +233,7 @@ class RecipeConfig:
     # torch intra-op threads; the tiny model's ops are too small to gain from more (0: torch's default).
     num_threads: int = 1
     # RL iterations: each generates rollouts, writes them through the data plane, then trains.
-    num_steps: int = 60
+    num_steps: int = 100
     prompts_per_step: int = 16
     group_size: int = 4
     ppo_epochs: int = 4
