@@ -35,6 +35,7 @@ from tq_plugin.data_plane import (
 from tq_plugin.lightning.driver import TQDriverMixin
 from tq_plugin.lightning.layout import POSITION_IDS, SEGMENT_IDS
 from tq_plugin.lightning.module import MICROBATCH_INFO, MetaBatchMixin
+from tq_plugin.lightning.plan import plan_step
 from tq_plugin.rl.model import TinyTransformer, entropy, shift_values, token_logprobs
 from tq_plugin.staging import MEDIA_IMGS_FIELD
 
@@ -61,7 +62,8 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         self.configure_packing(**packing.host_attributes())
         self.dp_layout = packing.layout
         self.dp_pad_to = "microbatch" if packing.use_dynamic_batches else "target"
-        self.dp_read_fields = POLICY_TRAIN_FIELDS + (VALUE_TRAIN_FIELDS if value is not None else [])
+        # What a training microbatch reads; other passes read what their meta names.
+        self.train_fields = POLICY_TRAIN_FIELDS + (VALUE_TRAIN_FIELDS if value is not None else [])
         self.automatic_optimization = False
         self.loss_norm = 1  # action tokens of one global batch, set by the recipe each step
         self.current_reward = 0.0  # the step's mean rollout reward, shown in the progress bar
@@ -85,20 +87,29 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
 
     # ------------------------------------------------------------------ pre-training passes
     @torch.no_grad()
-    def write_prev_logprobs(self, meta: KVBatchMeta) -> None:
-        """Recompute the behaviour logprobs with the current policy; write ``prev_logprobs``."""
-        lp_meta = self._isolated_meta(meta, fields=[INPUT_IDS, INPUT_LENGTHS], task_name="prev_lp")
-        ids = self.read_from_dataplane(lp_meta, select_fields=[INPUT_IDS])[INPUT_IDS]
-        logits = self.policy(ids, **({"image_patches": self.read_patches(meta)} if self.media else {}))
-        self.write_to_dataplane(meta, {PREV_LOGPROBS: token_logprobs(logits, ids, self.rc.temperature)})
+    def forward_pass(self, meta: KVBatchMeta, *, role: str, step: int) -> None:
+        """One no-grad pass over the step, written back through the data plane.
 
-    @torch.no_grad()
-    def write_values(self, meta: KVBatchMeta) -> None:
-        """The value model's forward over the step, under its own isolated pad target."""
-        v_meta = self._isolated_meta(meta, fields=[INPUT_IDS, INPUT_LENGTHS], task_name="value_fwd")
-        ids = self.read_from_dataplane(v_meta, select_fields=[INPUT_IDS])[INPUT_IDS]
-        out = self.value(ids, **({"image_patches": self.read_patches(meta)} if self.media else {}))
-        self.write_to_dataplane(meta, {VALUES: shift_values(out)})
+        ``role="policy"`` writes ``prev_logprobs``, ``role="value"`` writes ``values``. The pass
+        runs on its own isolated meta (so the value model's pad target never comes from the
+        policy's dispatch), in microbatches under the ``logprob_mb_tokens`` budget and in the
+        training layout; each microbatch's output goes back as rows (``dp_rows``).
+        """
+        model, field = (self.policy, PREV_LOGPROBS) if role == "policy" else (self.value, VALUES)
+        task = "prev_lp" if role == "policy" else "value_fwd"
+        was_training = model.training
+        model.eval()
+        for mb in plan_step(meta, host=self, fields=[INPUT_IDS, INPUT_LENGTHS], task_name=task,
+                            step=step, mb_tokens_key="logprob_mb_tokens",
+                            micro_batch_size=self.cfg["train_micro_batch_size"]):
+            if not mb.size:
+                continue
+            td = self.dp_materialize(mb)
+            ids = td[INPUT_IDS]
+            out = model(ids, **self._inputs(td, mb))
+            out = token_logprobs(out, ids, self.rc.temperature) if role == "policy" else shift_values(out)
+            self.write_to_dataplane(mb, {field: self.dp_rows(out)})
+        model.train(was_training)
 
     # ------------------------------------------------------------------ training
     def configure_optimizers(self) -> torch.optim.Optimizer:

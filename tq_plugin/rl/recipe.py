@@ -102,7 +102,7 @@ class RLRecipe:
                                    callbacks=[self.callback])
         self.datamodule = MetaDataModule(
             lambda step, client: self.prepare_step(step),
-            num_steps=self.rc.num_steps, fields=self.module.dp_read_fields, task_name="train",
+            num_steps=self.rc.num_steps, fields=self.module.train_fields, task_name="train",
             role="policy", epochs_per_step=self.rc.ppo_epochs,
             global_batch_size=self.rc.prompts_per_step * self.rc.group_size // self.rc.minibatches,
             micro_batch_size=self.packing.micro_batch_size,
@@ -133,9 +133,9 @@ class RLRecipe:
         m.current_reward = float(batch.rewards.mean())
         meta = self.reassembler.finalize_group(batch.receipts, partition_id=self.rc.train_partition)
         m.write_to_dataplane(meta, {TURN_REWARDS: batch.turn_scores / self.task.turns})
-        m.write_prev_logprobs(meta)
+        m.forward_pass(meta, role="policy", step=step)
         if self.ppo:
-            m.write_values(meta)
+            m.forward_pass(meta, role="value", step=step)
         self._write_advantages(meta)
         actions, lp_gap = self._check_rows(meta)
         # Loss normalizer: a global batch's action tokens (the same under every packing mode).
