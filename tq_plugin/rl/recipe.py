@@ -97,9 +97,14 @@ class RLRecipe:
             partitions=[{"partition_id": self.rc.train_partition, "fields": []}],
         )
         max_steps = self.rc.num_steps * self.rc.ppo_epochs * self.rc.minibatches
+        extra = {}
+        if self.cfg.trainer.get("logger") is True:  # CSV under the output dir, no tensorboard needed
+            from lightning.pytorch.loggers import CSVLogger
+
+            extra["logger"] = CSVLogger(str(self.output_dir), name="lightning_logs")
         self.trainer = instantiate(self.cfg.trainer, max_steps=max_steps,
                                    default_root_dir=str(self.output_dir),
-                                   callbacks=[self.callback])
+                                   callbacks=[self.callback], **extra)
         self.datamodule = MetaDataModule(
             lambda step, client: self.prepare_step(step),
             num_steps=self.rc.num_steps, fields=self.module.train_fields, task_name="train",
