@@ -98,7 +98,7 @@ def test_option_composes_validates_and_instantiates(compose_train, tmp_path, gro
     elif group == "trainer":
         import lightning.pytorch as pl
 
-        trainer = instantiate(node, max_steps=1, enable_progress_bar=False,
+        trainer = instantiate(node, max_steps=1, enable_progress_bar=False, logger=False,
                               default_root_dir=str(tmp_path))
         assert isinstance(trainer, pl.Trainer)
         assert Path(trainer.default_root_dir) == tmp_path
