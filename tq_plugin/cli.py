@@ -38,6 +38,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     """Build the recipe named by ``cfg.recipe._target_``, train it and return its summary."""
     from tq_plugin.rl.metrics import format_summary
 
+    # Lightning prints through its own console handler; without this Hydra's root handler
+    # repeats every Lightning line.
+    logging.getLogger("lightning.pytorch").propagate = False
     recipe = get_class(cfg.recipe._target_)(cfg, output_dir())
     recipe.setup()
     recipe.train()

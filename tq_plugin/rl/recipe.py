@@ -69,6 +69,7 @@ class RLRecipe:
         # MetaBatchMixin overrides the module's batch-transfer hooks on purpose.
         warnings.filterwarnings("ignore", message=r"You have overridden `(on_before_batch_transfer|"
                                 r"transfer_batch_to_device)` in `LightningModule`")
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
         if self.rc.num_threads:
             torch.set_num_threads(self.rc.num_threads)
         torch.manual_seed(self.rc.seed)
