@@ -79,7 +79,10 @@ class TaskCursors:
 
     def _ready(self, part: Any, task: str, required: list[str], limit: int) -> list[str]:
         claimed = part.consumed[task]
-        candidates = sorted((s for s in part.slot_of if s not in claimed), key=part.arrival.__getitem__)
+        candidates = [s for s in part.slot_of if s not in claimed]
+        if len(candidates) > 1:
+            first_put = part.arrival[[part.slot_of[s] for s in candidates]]
+            candidates = [candidates[i] for i in np.argsort(first_put, kind="stable").tolist()]
         if not candidates or not required:
             return candidates[:limit]
         slots = np.array([part.slot_of[s] for s in candidates], dtype=np.int64)

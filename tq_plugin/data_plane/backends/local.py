@@ -54,7 +54,8 @@ class _Partition:
     next_slot: int = 0
     columns: dict[str, DenseColumn | JaggedColumn] = field(default_factory=dict)
     tags: dict[str, dict[str, Any]] = field(default_factory=dict)
-    arrival: dict[str, int] = field(default_factory=dict)  # first-put order, for claims
+    # first-put order per slot, for claims (a numpy array: no per-row Python work on puts)
+    arrival: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     consumed: dict[str, set[str]] = field(default_factory=dict)  # task -> claimed ids
 
 
@@ -185,18 +186,22 @@ class LocalDataPlane(TaskCursors):
             part = self._partition(partition_id)
             prepared = [self._prepare(part, name, value, n) for name, value in items]
             if n:
-                slots = self._assign_slots(part, ids)
-                grew = False
+                slots, new_slots = self._assign_slots(part, ids)
                 need = int(slots.max()) + 1
+                grew = False
                 for p in prepared:
                     grew = self._write(part, p, slots, need) or grew
                 if tags is not None:
                     for sid, t in zip(ids, tags):
                         part.tags.setdefault(sid, {}).update(t)
-                for sid in ids:
-                    if sid not in part.arrival:
-                        part.arrival[sid] = self._arrivals
-                        self._arrivals += 1
+                if new_slots:
+                    if need > part.arrival.shape[0]:
+                        grown = np.zeros(max(need, 2 * part.arrival.shape[0]), dtype=np.int64)
+                        grown[: part.arrival.shape[0]] = part.arrival
+                        part.arrival = grown
+                    count = len(new_slots)
+                    part.arrival[new_slots] = np.arange(self._arrivals, self._arrivals + count)
+                    self._arrivals += count
                 if grew:  # reserved bytes only rise when a buffer is reallocated
                     self._peak_bytes = max(self._peak_bytes, self._reserved_bytes())
                 self._produced.notify_all()
@@ -269,19 +274,21 @@ class LocalDataPlane(TaskCursors):
             )
         return _Prepared(name, spec, block, lengths)
 
-    def _assign_slots(self, part: _Partition, ids: list[str]) -> torch.Tensor:
+    def _assign_slots(self, part: _Partition, ids: list[str]) -> tuple[np.ndarray, list[int]]:
+        """Slots for ``ids`` (reusing freed ones), and the slots given to ids new to the partition."""
         lookup = part.slot_of.get
         slots = list(map(lookup, ids))
+        new_slots: list[int] = []
         if None in slots:
             new = ids if slots.count(None) == len(ids) else [s for s, x in zip(ids, slots) if x is None]
             reuse = min(len(new), len(part.free_slots))
             fresh = range(part.next_slot, part.next_slot + len(new) - reuse)
-            taken = part.free_slots[len(part.free_slots) - reuse :]
+            new_slots = [*part.free_slots[len(part.free_slots) - reuse :], *fresh]
             del part.free_slots[len(part.free_slots) - reuse :]
             part.next_slot += len(fresh)
-            part.slot_of.update(zip(new, [*taken, *fresh]))
+            part.slot_of.update(zip(new, new_slots))
             slots = list(map(lookup, ids))
-        return np.array(slots, dtype=np.int64)
+        return np.array(slots, dtype=np.int64), new_slots
 
     def _write(self, part: _Partition, p: _Prepared, slots: np.ndarray, need: int) -> bool:
         col = part.columns.get(p.name)
@@ -390,11 +397,12 @@ class LocalDataPlane(TaskCursors):
                 return
             pop = part.slot_of.pop
             slots = [slot for slot in (pop(s, None) for s in sample_ids) if slot is not None]
-            for s in sample_ids:
-                part.tags.pop(s, None)
-                part.arrival.pop(s, None)
+            if part.tags:
+                for s in sample_ids:
+                    part.tags.pop(s, None)
             for claimed in part.consumed.values():
-                claimed.difference_update(sample_ids)
+                if claimed:
+                    claimed.difference_update(sample_ids)
             if not slots:
                 return
             part.free_slots.extend(slots)
