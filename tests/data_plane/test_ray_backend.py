@@ -65,3 +65,17 @@ def test_owner_close_drops_the_store_for_everyone(store):
     store.close()
     with pytest.raises(DataPlaneClosedError, match="closed"):
         other.list_sample_ids("train")
+
+
+def test_call_dp_drives_a_raw_actor_handle(ray_session):
+    """call_dp's other route: a bare Ray actor handle (``.remote`` methods), errors included."""
+    from tq_plugin.data_plane import LocalDataPlane, call_dp
+
+    actor = ray_session.remote(LocalDataPlane).options(num_cpus=0).remote()
+    call_dp(actor, "register_partition", partition_id="p", fields=[])
+    call_dp(actor, "put_samples", sample_ids=["a"], partition_id="p", fields={"r": torch.ones(1)})
+    td = call_dp(actor, "get_samples", sample_ids=["a"], partition_id="p", select_fields=["r"])
+    assert td["r"].tolist() == [1.0]
+    with pytest.raises(KeyError, match="unknown sample_ids"):
+        call_dp(actor, "get_samples", sample_ids=["zz"], partition_id="p", select_fields=["r"])
+    ray_session.kill(actor)

@@ -77,7 +77,7 @@ class StagingConfig:
     columns when ``capture_media``) and returns its ``TQTokenSink``.
     """
 
-    _target_: str = "tq_plugin.config.factories.token_sink"
+    _target_: str = "tq_plugin.staging.factory.build_token_sink"
     _partial_: bool = True
     staging_partition: str = "rollout_staging"
     capture_media: bool = False

@@ -71,13 +71,12 @@ class DataPlaneClient(Protocol):
 def call_dp(client: Any, method_name: str, **kwargs: Any) -> Any:
     """Call ``client.<method_name>(**kwargs)`` on a local client or a Ray actor handle alike.
 
-    A Ray actor method has ``.remote``; its result is awaited with ``ray.get`` so callers see
-    the same synchronous contract (an acknowledged put has landed) on every backend.
+    A Ray actor method has ``.remote``; its result is awaited before returning (through the
+    object ref's own future, so this module never imports Ray), and callers see the same
+    synchronous contract on every backend: an acknowledged put has landed.
     """
     method = getattr(client, method_name)
     remote = getattr(method, "remote", None)
     if remote is not None:
-        import ray  # only reached with a Ray actor handle, so Ray stays an optional dependency
-
-        return ray.get(remote(**kwargs))
+        return remote(**kwargs).future().result()
     return method(**kwargs)

@@ -26,6 +26,7 @@ from tq_plugin.staging.digest import (
     encode_token_ids,
     hash_token_ids,
 )
+from tq_plugin.staging.factory import build_token_sink
 from tq_plugin.staging.media import (
     MEDIA_FLAG_FIELDS,
     MEDIA_HAS_FRAMES_FIELD,
@@ -82,6 +83,7 @@ from tq_plugin.staging.store import (
 )
 
 __all__ = [
+    "build_token_sink",
     "EMPTY_EXTRAS_DIGEST",
     "EXTRAS_DIGEST_VERSION",
     "MEDIA_FLAG_FIELDS",

@@ -1,29 +1,30 @@
-"""``_target_`` factories for components whose YAML form differs from their constructor.
+"""Build a token sink from its YAML form (the ``tq/staging`` config group's ``_target_``).
 
-Importing this module stays torch-free (it is named by the torch-free schemas); the heavy
-imports happen inside the factories, when Hydra instantiates a component.
+The YAML names the pixel dtype as a string and the data-plane client arrives at call time
+(``instantiate(cfg.tq.staging)(client)``), so the group targets this function, not the class.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 
-def token_sink(
+from tq_plugin.staging.sink import TQTokenSink
+from tq_plugin.staging.store import register_staging_partition
+
+
+def build_token_sink(
     dp_client: Any,
     *,
     staging_partition: str,
     capture_media: bool = False,
     media_pixel_dtype: str | None = None,
-) -> Any:
+) -> TQTokenSink:
     """Register ``staging_partition`` on ``dp_client`` and return its ``TQTokenSink``.
 
     ``media_pixel_dtype`` is a torch dtype name in YAML (``float32``); the sink takes the dtype.
     """
-    import torch
-
-    from tq_plugin.staging import TQTokenSink, register_staging_partition
-
     dtype = None
     if media_pixel_dtype is not None:
         dtype = getattr(torch, media_pixel_dtype, None)
