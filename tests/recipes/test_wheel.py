@@ -32,7 +32,7 @@ APP = textwrap.dedent(
 @pytest.mark.slow
 def test_wheel_ships_plugin_and_configs(tmp_path):
     dist = tmp_path / "dist"
-    subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--skip-dependency-check", "--outdir",
+    subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir",
                     str(dist), str(ROOT)], check=True, capture_output=True, timeout=600)
     wheel = next(dist.glob("tq_plugin-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
