@@ -207,12 +207,12 @@ def main(sizes: tuple[int, ...] = (64, 256, 1024, 4096)) -> dict:
     md = [
         "### Data plane: put + get vs a plain copy of the same bytes (LocalDataPlane)",
         "",
-        "Each timed iteration puts the standard rollout batch, reads every row back (in put order, "
+        ("Each timed iteration puts the standard rollout batch, reads every row back (in put order, "
         "or shuffled as a data-parallel shard would) and clears it. *copy* clones the same three "
         "buffers in the same run. *cold*: a 64 MiB buffer is written before every timed run, so "
         "caches start cold, as they do when rollouts reach the store long after generation; "
         "*hot*: back-to-back runs (a payload under the 32 MiB L3 then copies at cache speed). "
-        "The row-dict store keeps one tensor per row and field, for comparison.",
+        "The row-dict store keeps one tensor per row and field, for comparison."),
         "",
         table(
             ["rows", "caches", "payload MB", "copy MB/s", "put+get MB/s", "put+get ms",
@@ -220,10 +220,10 @@ def main(sizes: tuple[int, ...] = (64, 256, 1024, 4096)) -> dict:
             rows,
         ),
         "",
-        f"Peak RSS at {rss['rows']} rows (put/get/clear loop, median of 3 fresh processes): "
+        (f"Peak RSS at {rss['rows']} rows (put/get/clear loop, median of 3 fresh processes): "
         f"the process grows by {rss['peak_rss_growth_mb']:.0f} MB for a "
         f"{rss['payload_mb']:.0f} MB payload, **{rss['ratio']:.2f}x** counting the caller's own "
-        f"batch; the store's copy plus a read's copy add **{rss['store_and_read_ratio']:.2f}x**.",
+        f"batch; the store's copy plus a read's copy add **{rss['store_and_read_ratio']:.2f}x**."),
     ]
     text = "\n".join(md)
     print(text)

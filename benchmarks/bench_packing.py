@@ -162,12 +162,12 @@ def main() -> dict[str, Any]:
     text = "\n\n".join(
         [
             "## Packing and DP sharding (`benchmarks/bench_packing.py`)",
-            f"Padded-token fraction, {ROWS} rows, lengths uniform in 100..2000 (seed 0), sharded "
+            (f"Padded-token fraction, {ROWS} rows, lengths uniform in 100..2000 (seed 0), sharded "
             f"with `shard_meta_for_dp`; step pad target `global_forward_pad_seqlen` = {target}. "
             "'padded fraction' counts what each mode computes: every row at the pad target, "
             "each microbatch rectangle at its own padded max, or each packed bin at its packed "
             "length (varlen/THD forward); the two bin columns pad every packed bin to "
-            "`max_tokens_per_microbatch` or to the step's longest bin (fixed-shape forward).",
+            "`max_tokens_per_microbatch` or to the step's longest bin (fixed-shape forward)."),
             table(
                 [
                     "mode",

@@ -9,7 +9,7 @@ import re
 import pytest
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
 
 
 def test_the_readme_has_examples():
@@ -20,4 +20,4 @@ def test_the_readme_has_examples():
 def test_readme_example_runs(index, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # anything an example writes lands in the test's tmp dir
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    exec(compile(BLOCKS[index], f"README.md[python block {index}]", "exec"), {"__name__": "readme"})
+    exec(compile(BLOCKS[index], f"README.md[python block {index}]", "exec"), {"__name__": "readme"})  # noqa: S102

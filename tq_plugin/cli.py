@@ -58,7 +58,7 @@ def _task(cfg: DictConfig) -> dict[str, Any]:
     # In a sweep one failed job must not stop the others, nor vanish: record it and carry on.
     try:
         return run(cfg)
-    except Exception as exc:  # noqa: BLE001  (reported in the sweep table)
+    except Exception as exc:
         log.exception("sweep job failed")
         result = {"status": "failed", "error": f"{type(exc).__name__}: {exc}",
                   "traceback": traceback.format_exc()}

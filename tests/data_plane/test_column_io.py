@@ -104,7 +104,7 @@ def test_jagged_read_returns_nested_untouched(step):
 
 
 def test_write_back_of_padded_columns_lands_at_row_lengths(step):
-    client, batch, meta = step
+    client, _, meta = step
     stamp_global_forward_pad_seqlen(meta)
     adv = torch.arange(4 * 9, dtype=torch.float32).reshape(4, 9)
     write_columns(client, meta, {"advantages": adv, "baseline": torch.ones(4)})
@@ -116,7 +116,7 @@ def test_write_back_of_padded_columns_lands_at_row_lengths(step):
 
 
 def test_write_back_refuses_to_truncate_and_to_misalign(step):
-    client, batch, meta = step
+    client, _, meta = step
     with pytest.raises(ValueError, match="refusing to truncate"):
         write_columns(client, meta, {"advantages": torch.zeros(4, 8)})
     with pytest.raises(ValueError, match="row lengths differ"):

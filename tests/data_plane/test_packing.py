@@ -196,7 +196,7 @@ def test_plan_microbatches_count_multiple_and_order():
     mbs, mbl = plan_microbatches(lengths, sequence_packing_args=args, count_multiple=4)
     assert len(mbs) == 4 and _flat(mbs) == list(range(6))
     assert sum(mbl) == sum(lengths)
-    mbs2, mbl2 = plan_microbatches(
+    _, mbl2 = plan_microbatches(
         lengths,
         sequence_packing_args={**args, "microbatch_order": "largest_first"},
         count_multiple=4,
@@ -258,12 +258,16 @@ def test_sequence_packing_args_defaults_and_reference_names():
         ({"max_tokens_per_microbatch": True}, "positive int"),
         ({"max_tokens_per_microbatch": 8, "sequence_length_round": -1}, "sequence_length_round"),
         ({"max_tokens_per_microbatch": 8, "algorithm": "x"}, "unknown key"),
-        ("not a dict", "must be a dict"),
     ],
 )
 def test_dynamic_batching_args_errors(args, match):
     with pytest.raises(ValueError, match=match):
         validate_dynamic_batching_args(args)
+
+
+def test_packing_args_must_be_a_dict():
+    with pytest.raises(TypeError, match="must be a dict"):
+        validate_dynamic_batching_args("not a dict")
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import uuid
 import pytest
 import torch
 
-from tq_plugin.data_plane import DataPlaneClosedError, read_columns, first_write
+from tq_plugin.data_plane import DataPlaneClosedError, first_write, read_columns
 
 pytestmark = pytest.mark.slow
 

@@ -294,12 +294,16 @@ def test_shards_pickle():
             r"dynamic_batching_args\['max_tokens_per_microbatch'\]",
         ),
         (make_meta([3, -4]), {"dp_world": 1}, "meta.sequence_lengths must be non-negative"),
-        ("not a meta", {"dp_world": 1}, "meta must be a KVBatchMeta"),
     ],
 )
 def test_errors(meta, kwargs, match):
     with pytest.raises(ValueError, match=match):
         shard_meta_for_dp(meta, **kwargs)
+
+
+def test_meta_must_be_a_kvbatchmeta():
+    with pytest.raises(TypeError, match="meta must be a KVBatchMeta"):
+        shard_meta_for_dp("not a meta", dp_world=1)
 
 
 def test_misaligned_sequence_lengths():

@@ -59,7 +59,7 @@ def test_wheel_ships_plugin_and_configs(tmp_path):
     app_dir = tmp_path / "elsewhere"
     app_dir.mkdir()
     (app_dir / "app.py").write_text(APP)
-    out = subprocess.run(
+    out = subprocess.run(  # noqa: PLW1510  (the return code is asserted below)
         [str(py), "app.py", "+tq/packing=sequence_packing", "tq.packing.train_mb_tokens=2048",
          "+tq/staging=media", f"hydra.run.dir={tmp_path / 'run'}"],
         cwd=app_dir, capture_output=True, text=True, timeout=300,
@@ -69,12 +69,12 @@ def test_wheel_ships_plugin_and_configs(tmp_path):
     assert "use_sequence_packing: true" in out.stdout and "train_mb_tokens: 2048" in out.stdout
     assert "capture_media: true" in out.stdout
 
-    info = subprocess.run([str(py), "app.py", "--info", "searchpath"], cwd=app_dir,
+    info = subprocess.run([str(py), "app.py", "--info", "searchpath"], cwd=app_dir, check=True,
                           capture_output=True, text=True, timeout=300)
     assert "pkg://tq_plugin.conf" in info.stdout
 
     # The recipes' primary config composes from the wheel too (what `tq-train` runs).
-    job = subprocess.run([str(py), "-m", "tq_plugin.cli", "recipe=grpo", "--cfg", "job"],
+    job = subprocess.run([str(py), "-m", "tq_plugin.cli", "recipe=grpo", "--cfg", "job"],  # noqa: PLW1510
                          cwd=app_dir, capture_output=True, text=True, timeout=300)
     assert job.returncode == 0, job.stderr[-3000:]
     assert "algorithm: grpo" in job.stdout

@@ -31,8 +31,8 @@ __all__ = [
     "RayBackendConfig",
     "RecipeConfig",
     "StagingConfig",
-    "TaskConfig",
     "TQConfig",
+    "TaskConfig",
     "register_configs",
     "validate_config",
 ]
@@ -52,7 +52,7 @@ def validate_config(cfg: DictConfig) -> dict[str, Any]:
 
     Raises ``ValueError`` naming the key and the rule.
     """
-    stray = [k for k in cfg.keys() if isinstance(k, str) and "/" in k]
+    stray = [k for k in cfg if isinstance(k, str) and "/" in k]
     if stray:
         known = ", ".join(sorted(SCHEMAS))
         raise ValueError(
@@ -67,7 +67,7 @@ def validate_config(cfg: DictConfig) -> dict[str, Any]:
         if node is None:
             continue
         if not isinstance(node, DictConfig):
-            raise ValueError(f"{dotted}: must be a config node, got {node!r}")
+            raise TypeError(f"{dotted}: must be a config node, got {node!r}")
         # The option's own schema when it extends one (tq/backend=ray), else the group's.
         declared = OmegaConf.get_type(node)
         if dataclasses.is_dataclass(declared):

@@ -15,7 +15,7 @@ node to its dataclass, which every entry point does right after composing, befor
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
@@ -81,7 +81,7 @@ class StagingConfig:
     _partial_: bool = True
     staging_partition: str = "rollout_staging"
     capture_media: bool = False
-    media_pixel_dtype: Optional[str] = None
+    media_pixel_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if not self.staging_partition:
@@ -119,7 +119,7 @@ class PackingConfig:
     # Sequence packing pads each packed sequence to this multiple.
     sequence_length_pad_multiple: int = 1
     algorithm: str = "modified_first_fit_decreasing"
-    microbatch_order: Optional[str] = None
+    microbatch_order: str | None = None
     # What a training step receives: "padded" [B, S] tensors or one "packed" row with cu_seqlens.
     layout: str = "padded"
 

@@ -4,6 +4,7 @@ Layering is one-way: column I/O, packing and sharding talk to a backend only thr
 ``DataPlaneClient`` methods (``call_dp``); only an adapter imports Ray or transferqueue.
 """
 
+from tq_plugin.data_plane import schema as _schema
 from tq_plugin.data_plane.backends.local import LocalDataPlane
 from tq_plugin.data_plane.backends.ray_actor import RayDataPlane  # imports Ray only when built
 from tq_plugin.data_plane.client import DataPlaneClient, DataPlaneClosedError, call_dp
@@ -25,11 +26,10 @@ from tq_plugin.data_plane.packing import (
     plan_microbatches,
     plan_sequence_packing,
 )
+from tq_plugin.data_plane.schema import *  # the field-name constants are API
 from tq_plugin.data_plane.sharding import shard_meta_for_dp
-from tq_plugin.data_plane.schema import *  # noqa: F403  (the field-name constants are the API)
-from tq_plugin.data_plane import schema as _schema
 
-__all__ = [
+__all__ = [  # noqa: PLE0604
     "DataPlaneClient",
     "DataPlaneClosedError",
     "KVBatchMeta",
@@ -50,5 +50,5 @@ __all__ = [
     "shard_meta_for_dp",
     "stamp_global_forward_pad_seqlen",
     "write_columns",
-    *[n for n in dir(_schema) if n.isupper()],
+    *[n for n in dir(_schema) if n.isupper()],  # every schema constant
 ]

@@ -8,7 +8,7 @@ handle. Only an adapter module imports Ray or transferqueue.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, Union, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from tensordict import TensorDictBase
@@ -17,7 +17,7 @@ from tq_plugin.data_plane.meta import KVBatchMeta
 
 # A put's payload: a TensorDict with batch_size [N], or a plain mapping of name -> tensor whose
 # dim 0 is N. Each tensor is dense, or a jagged nested tensor (torch.nested, layout=torch.jagged).
-FieldsLike = Union[TensorDictBase, Mapping[str, torch.Tensor]]
+FieldsLike = TensorDictBase | Mapping[str, torch.Tensor]
 
 
 class DataPlaneClosedError(RuntimeError):

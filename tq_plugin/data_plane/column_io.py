@@ -26,7 +26,6 @@ from tq_plugin.data_plane.schema import (
     Layout,
 )
 
-
 # torch 2.13's nested_tensor_from_jagged logs a warning meant for fx/export tracing on its first
 # call, outside any tracing. Drop exactly that record; every other torch.fx message still shows.
 logging.getLogger("torch.fx._symbolic_trace").addFilter(
@@ -118,7 +117,7 @@ def first_write(
     later write-back lands under them.
     """
     for required in (SAMPLE_MASK, INPUT_LENGTHS):
-        if required not in batch.keys():
+        if required not in batch.keys():  # noqa: SIM118  (a TensorDict has no `in`)
             raise ValueError(f"first_write: the batch needs a {required!r} column")
     n = int(batch[SAMPLE_MASK].shape[0])
     if n == 0:

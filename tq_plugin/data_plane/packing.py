@@ -83,7 +83,7 @@ def _positive_int(args: Mapping[str, Any], key: str, where: str, default: int | 
 
 def _check_keys(args: Mapping[str, Any], allowed: frozenset[str], where: str) -> None:
     if not isinstance(args, Mapping):
-        raise ValueError(f"{where} must be a dict, got {type(args).__name__}")
+        raise TypeError(f"{where} must be a dict, got {type(args).__name__}")
     unknown = sorted(set(args) - allowed)
     if unknown:
         raise ValueError(f"{where} has unknown key(s) {unknown}; allowed: {sorted(allowed)}")
@@ -205,7 +205,7 @@ def plan_sequence_packing(
         node //= 2
         while node:
             left, right = free[2 * node], free[2 * node + 1]
-            free[node] = left if left >= right else right
+            free[node] = max(left, right)
             node //= 2
     return bins
 

@@ -81,7 +81,7 @@ def _validate(
     dynamic_batching_args: Mapping[str, Any] | None,
 ) -> tuple[torch.Tensor, int, int]:
     if not isinstance(meta, KVBatchMeta):
-        raise ValueError(
+        raise TypeError(
             f"shard_meta_for_dp: meta must be a KVBatchMeta, got {type(meta).__name__}"
         )
     if meta.size == 0:

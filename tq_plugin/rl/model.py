@@ -16,7 +16,6 @@ pixel patches (one patch per placeholder, in order), so the model conditions on 
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -152,4 +151,4 @@ def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["TinyTransformer", "token_logprobs", "shift_values", "entropy", "count_params"]
+__all__ = ["TinyTransformer", "count_params", "entropy", "shift_values", "token_logprobs"]

@@ -73,7 +73,7 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
     # ------------------------------------------------------------------ model inputs
     def _inputs(self, td: Any, meta: KVBatchMeta) -> dict[str, Any]:
         kwargs: dict[str, Any] = {}
-        if POSITION_IDS in td.keys():
+        if POSITION_IDS in td.keys():  # noqa: SIM118  (a TensorDict has no `in`)
             kwargs = {"position_ids": td[POSITION_IDS], "segment_ids": td[SEGMENT_IDS]}
         if self.media:
             kwargs["image_patches"] = self.read_patches(meta).to(self.device)

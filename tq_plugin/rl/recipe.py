@@ -82,8 +82,8 @@ class RLRecipe:
 
     def _setup_models(self) -> None:
         max_len = self.task.max_sequence_length(self.rc.max_new_tokens)
-        common = dict(vocab_size=self.task.vocab_size, image_token_id=IMG,
-                      patch_dim=self.task.patch_dim if self.media else None)
+        common = {"vocab_size": self.task.vocab_size, "image_token_id": IMG,
+                  "patch_dim": self.task.patch_dim if self.media else None}
         if max_len > self.cfg.model.max_seq_len:
             raise ValueError(f"model.max_seq_len={self.cfg.model.max_seq_len} is shorter than the "
                              f"task's longest episode ({max_len} tokens)")

@@ -83,7 +83,6 @@ from tq_plugin.staging.store import (
 )
 
 __all__ = [
-    "build_token_sink",
     "EMPTY_EXTRAS_DIGEST",
     "EXTRAS_DIGEST_VERSION",
     "MEDIA_FLAG_FIELDS",
@@ -133,6 +132,7 @@ __all__ = [
     "_media_sentinels",
     "assert_golden_vectors",
     "build_staging_delta",
+    "build_token_sink",
     "call_record_for",
     "compute_chain_hash",
     "compute_extras_digest",

@@ -12,6 +12,7 @@ calling them, under its lock, which is what makes a put atomic.
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import NamedTuple
 
 import numpy as np
@@ -68,7 +69,7 @@ def gather_rows(values: torch.Tensor, starts: np.ndarray, lengths: np.ndarray) -
             return values[s : s + total].clone()
         bounds = [0, *breaks.tolist(), n]
         return torch.cat(
-            [values[int(starts[a]) : int(ends[b - 1])] for a, b in zip(bounds[:-1], bounds[1:])]
+            [values[int(starts[a]) : int(ends[b - 1])] for a, b in pairwise(bounds)]
         )
     order = np.argsort(starts, kind="stable")
     s_sorted, e_sorted = starts[order], ends[order]
