@@ -37,16 +37,15 @@ def test_ddp_ranks_keep_their_rows_and_agree_on_target_and_counts(tmp_path: Path
 
 
 @pytest.mark.slow
-def test_ddp_ranks_read_length_balanced_shards_of_one_shared_store(tmp_path: Path) -> None:
+def test_ddp_ranks_read_length_balanced_shards_of_one_shared_store(
+    tmp_path: Path, ray_session
+) -> None:
     """With a store all ranks share, rank 0 writes a step once; each rank reads its shard."""
-    ray = pytest.importorskip("ray")
     from tq_plugin.data_plane import RayDataPlane
 
-    ray.init(num_cpus=2, _node_ip_address="127.0.0.2", include_dashboard=False,
-             log_to_driver=False)
+    owner = RayDataPlane("ddp-shared", actor_name="tq_plugin_ddp_test")
     try:
-        owner = RayDataPlane("ddp-shared", actor_name="tq_plugin_ddp_test")
-        address = ray.get_runtime_context().gcs_address
+        address = ray_session.get_runtime_context().gcs_address
         launcher_vars = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_")
         env = {k: v for k, v in os.environ.items() if not k.startswith(launcher_vars)}
         proc = subprocess.run(
@@ -56,9 +55,8 @@ def test_ddp_ranks_read_length_balanced_shards_of_one_shared_store(tmp_path: Pat
         )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         leftover = owner.list_sample_ids("train")
-        owner.close()
     finally:
-        ray.shutdown()
+        owner.close()
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for step in (0, 1):
         per_rank = [[m for m in recs if m["step"] == step] for recs in ranks]

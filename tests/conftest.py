@@ -1,0 +1,24 @@
+"""Fixtures shared by every test tier."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+HAVE_RAY = importlib.util.find_spec("ray") is not None
+# Ray on loopback only: a 2-core box, no dashboard, and never the machine's routable address.
+RAY_INIT = {"num_cpus": 2, "_node_ip_address": "127.0.0.2", "include_dashboard": False,
+            "log_to_driver": False}
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray instance for the whole session (starting Ray costs seconds)."""
+    if not HAVE_RAY:
+        pytest.skip("ray is not installed (pip install 'tq_plugin[ray]')")
+    import ray
+
+    ray.init(**RAY_INIT)
+    yield ray
+    ray.shutdown()
