@@ -216,62 +216,75 @@ class LocalDataPlane(TaskCursors):
         )
 
     def _prepare(self, part: _Partition, name: str, value: torch.Tensor, n: int) -> _Prepared:
+        """Validate one field of a put against the partition's schema and normalize it.
+
+        Runs once per field of every put (24 fields for a staged call), so it reads each tensor
+        attribute once and builds nothing it does not return.
+        """
         if part.declared and name not in part.declared:
             raise ValueError(
                 f"put_samples: field {name!r} is not declared for partition "
                 f"{part.partition_id!r}; declared fields: {sorted(part.declared)}"
             )
-        nested = value.is_nested
-        if nested and not isinstance(value, NestedTensor):
+        col = part.columns.get(name)
+        live = col is not None and col.live_rows > 0
+        if value.is_nested:
+            return self._prepare_nested(part, name, value, n, col if live else None)
+        shape = value.shape
+        if not shape:
+            raise ValueError(f"put_samples: field {name!r} is 0-d; every field needs a row dim")
+        if shape[0] != n:
+            raise ValueError(f"put_samples: field {name!r} has {shape[0]} rows for {n} sample_ids")
+        if value.requires_grad:
+            value = value.detach()
+        if not value.is_cpu:
+            value = value.cpu()
+        jagged = col.spec.jagged if live else name in part.jagged  # type: ignore[union-attr]
+        if jagged:
+            if len(shape) < 2:
+                raise ValueError(
+                    f"put_samples: field {name!r} is jagged; a dense put needs shape "
+                    f"[N, L, ...], got {tuple(shape)}"
+                )
+            spec = ColumnSpec(True, value.dtype, tuple(shape[2:]))
+            block = value[0] if n == 1 else value.reshape(-1, *shape[2:])
+            lengths = np.full(n, shape[1], dtype=np.int64)
+        else:
+            spec = ColumnSpec(False, value.dtype, tuple(shape[1:]))
+            block, lengths = value, None
+        if live and spec != col.spec:  # type: ignore[union-attr]
+            _raise_mismatch(name, col.spec, spec)  # type: ignore[union-attr]
+        return _Prepared(name, spec, block, lengths)
+
+    def _prepare_nested(
+        self, part: _Partition, name: str, value: torch.Tensor, n: int, live: Any
+    ) -> _Prepared:
+        if not isinstance(value, NestedTensor):
             raise TypeError(
                 f"put_samples: field {name!r} must be a torch.jagged nested tensor "
                 "(build it with torch.nested.nested_tensor_from_jagged), not a strided one"
             )
         # A jagged tensor's own methods are slow (each goes through __torch_function__), so
         # work on its values/offsets buffers directly.
-        rows = value._offsets.shape[0] - 1 if nested else (value.shape[0] if value.dim() else -1)
-        if rows < 0:
-            raise ValueError(f"put_samples: field {name!r} is 0-d; every field needs a row dim")
+        rows = value._offsets.shape[0] - 1
         if rows != n:
             raise ValueError(f"put_samples: field {name!r} has {rows} rows for {n} sample_ids")
-        col = part.columns.get(name)
-        live = col is not None and col.live_rows > 0
-        jagged = col.spec.jagged if live else (name in part.jagged or nested)  # type: ignore[union-attr]
-        if nested:
-            if value._ragged_idx != 1:
-                raise TypeError(f"put_samples: field {name!r} must be ragged on dim 1")
-            if not jagged:
-                raise TypeError(
-                    f"put_samples: field {name!r} is stored dense ({col.spec.describe()}); "  # type: ignore[union-attr]
-                    "got a jagged nested tensor"
-                )
-            if value._lengths is not None:
-                value = value.contiguous()  # a narrowed view with holes
-            block = value._values.detach()
-            lengths = value._offsets.diff().cpu().numpy()
-        else:
-            if value.requires_grad:
-                value = value.detach()
-            if jagged:
-                if value.dim() < 2:
-                    raise ValueError(
-                        f"put_samples: field {name!r} is jagged; a dense put needs shape "
-                        f"[N, L, ...], got {tuple(value.shape)}"
-                    )
-                block = value.reshape(-1, *value.shape[2:])
-                lengths = np.full(n, value.shape[1], dtype=np.int64)
-            else:
-                block = value
-                lengths = None
+        if value._ragged_idx != 1:
+            raise TypeError(f"put_samples: field {name!r} must be ragged on dim 1")
+        if live is not None and not live.spec.jagged:
+            raise TypeError(
+                f"put_samples: field {name!r} is stored dense ({live.spec.describe()}); "
+                "got a jagged nested tensor"
+            )
+        if value._lengths is not None:
+            value = value.contiguous()  # a narrowed view with holes
+        block = value._values.detach()
         if not block.is_cpu:
             block = block.cpu()
-        spec = ColumnSpec(jagged, block.dtype, tuple(block.shape[1:]))
-        if live and spec != col.spec:  # type: ignore[union-attr]
-            what = "dtype" if spec.dtype != col.spec.dtype else "shape"  # type: ignore[union-attr]
-            raise TypeError(
-                f"put_samples: field {name!r} {what} mismatch: live rows hold "
-                f"{col.spec.describe()}, this put has {spec.describe()}"  # type: ignore[union-attr]
-            )
+        lengths = value._offsets.diff().cpu().numpy()
+        spec = ColumnSpec(True, block.dtype, tuple(block.shape[1:]))
+        if live is not None and spec != live.spec:
+            _raise_mismatch(name, live.spec, spec)
         return _Prepared(name, spec, block, lengths)
 
     def _assign_slots(self, part: _Partition, ids: list[str]) -> tuple[np.ndarray, list[int]]:
@@ -425,6 +438,14 @@ class LocalDataPlane(TaskCursors):
                 "bytes_held": sum(c.reserved_bytes for c in cols),
                 "peak_bytes_held": self._peak_bytes,
             }
+
+
+def _raise_mismatch(name: str, held: ColumnSpec, given: ColumnSpec) -> None:
+    what = "dtype" if given.dtype != held.dtype else "shape"
+    raise TypeError(
+        f"put_samples: field {name!r} {what} mismatch: live rows hold {held.describe()}, "
+        f"this put has {given.describe()}"
+    )
 
 
 def _field_items(fields: FieldsLike | None, n: int) -> list[tuple[str, torch.Tensor]]:
