@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from tq_plugin.data_plane import LocalDataPlane, nested_from_lengths
 
 IDS = [f"s{i}" for i in range(12)]
-DTYPES = {"tok": torch.int64, "lp": torch.float32, "img": torch.bfloat16}
+DTYPES = {"tok": torch.int64, "lp": torch.float32, "img": torch.bfloat16, "r": torch.float64}
 
 
 def _jagged(lengths: list[int], dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -39,9 +39,11 @@ class StoreMachine(RuleBasedStateMachine):
         payload = {}
         for name in sorted(fields):
             self.seed += 1
-            if name == "img":  # dense, fixed row shape
-                g = torch.Generator().manual_seed(self.seed)
+            g = torch.Generator().manual_seed(self.seed)
+            if name == "img":  # dense, fixed row shape, a dtype numpy lacks
                 payload[name] = torch.randn(len(ids), 2, 3, generator=g).to(torch.bfloat16)
+            elif name == "r":  # dense per-row scalar
+                payload[name] = torch.randn(len(ids), generator=g, dtype=torch.float64)
             else:
                 lengths = data.draw(st.lists(st.integers(0, 30), min_size=len(ids), max_size=len(ids)))
                 payload[name] = _jagged(lengths, DTYPES[name], self.seed)

@@ -107,10 +107,20 @@ class _Presence:
         return out
 
 
+def _numpy_view(t: torch.Tensor) -> np.ndarray | None:
+    """A numpy view sharing ``t``'s memory, or None for dtypes numpy lacks (bfloat16)."""
+    try:
+        return t.numpy()
+    except TypeError:
+        return None
+
+
 class DenseColumn(_Presence):
     def __init__(self, spec: ColumnSpec) -> None:
         self.spec = spec
         self.data = torch.empty((0, *spec.shape), dtype=spec.dtype)
+        # One-row writes go through numpy (~0.5 us) instead of a torch index-assign (~3 us).
+        self._np = _numpy_view(self.data)
         self.present = np.zeros(0, dtype=bool)
         self.live_rows = 0
 
@@ -119,13 +129,17 @@ class DenseColumn(_Presence):
         grew = need > self.data.shape[0]
         if grew:
             self.data = _grow(self.data, need)
+            self._np = _numpy_view(self.data)
             self.present = _grow_array(self.present, self.data.shape[0])
         if slots.shape[0] == 1:  # one-row puts (token staging): plain scalar bookkeeping
             slot = int(slots[0])
             if not self.present[slot]:
                 self.live_rows += 1
                 self.present[slot] = True
-            self.data[slot] = block[0]
+            try:
+                self._np[slot] = block.numpy()[0]  # type: ignore[index]
+            except (TypeError, RuntimeError):  # no numpy view, or a tensor numpy refuses
+                self.data[slot] = block[0]
             return grew
         self.live_rows += int(slots.shape[0] - np.count_nonzero(self.present[slots]))
         self.data.index_copy_(0, torch.from_numpy(slots), block)
