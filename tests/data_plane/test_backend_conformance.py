@@ -330,3 +330,24 @@ def test_scattered_reads_of_many_rows_after_overwrites_are_exact(client, dtype):
     got = client.get_samples([ids[i] for i in order], "train", ["x"])["x"].unbind()
     for i, row in zip(order, got):
         assert torch.equal(row, expect[ids[i]])
+
+
+def test_a_rejected_register_leaves_the_schema_as_it_was(client):
+    client.register_partition("p", [])
+    client.put_samples(["a"], "p", {"dense": torch.zeros(1, 3)})
+    with pytest.raises(TypeError, match="'dense' already holds dense rows"):
+        client.register_partition("p", ["dense", "other"], jagged_fields=["dense"])
+    # the schema stayed open: any field is still writable
+    client.put_samples(["b"], "p", {"anything": torch.zeros(1)})
+    with pytest.raises(ValueError, match=r"jagged_fields \['tok'\] are not among the declared"):
+        client.register_partition("q", ["ids"], jagged_fields=["tok"])
+    assert "q" not in client.list_partitions()
+
+
+def test_closing_an_open_schema_keeps_its_existing_fields_writable(client):
+    client.register_partition("p", [])
+    client.put_samples(["a"], "p", {"old": torch.zeros(1)})
+    client.register_partition("p", ["new"])
+    client.put_samples(["a"], "p", {"old": torch.ones(1), "new": torch.ones(1)})
+    with pytest.raises(ValueError, match="'stray' is not declared"):
+        client.put_samples(["a"], "p", {"stray": torch.ones(1)})

@@ -123,7 +123,8 @@ class LocalDataPlane(TaskCursors):
     ) -> None:
         """Declare a partition, or widen an existing one's schema (idempotent).
 
-        Re-registering never drops rows: it adds declared and jagged field names.
+        Re-registering never drops rows: it adds declared and jagged field names. Every check
+        runs before the schema changes, so a rejected call leaves the partition as it was.
         """
         if not isinstance(partition_id, str) or not partition_id:
             raise ValueError("register_partition: partition_id must be a non-empty string")
@@ -136,18 +137,27 @@ class LocalDataPlane(TaskCursors):
         with self._lock:
             self._require_open()
             part = self._partitions.get(partition_id)
-            if part is None:
-                part = _Partition(partition_id=partition_id, declared=set(), jagged=set())
-                self._partitions[partition_id] = part
+            declared = set(part.declared) if part is not None else set()
             if names:
-                part.declared.update(names)
+                # Closing an open schema keeps the fields it already holds writable.
+                declared.update(names, part.columns if part is not None and not declared else ())
+            undeclared = [n for n in jagged if declared and n not in declared]
+            if undeclared:
+                raise ValueError(
+                    f"register_partition: jagged_fields {_name_some(undeclared)} are not among "
+                    f"the declared fields of partition {partition_id!r}"
+                )
             for name in jagged:
-                col = part.columns.get(name)
+                col = part.columns.get(name) if part is not None else None
                 if col is not None and col.live_rows and not col.spec.jagged:
                     raise TypeError(
                         f"register_partition: field {name!r} already holds dense rows; "
                         "it cannot be re-declared jagged while they are live"
                     )
+            if part is None:
+                part = _Partition(partition_id=partition_id, declared=set(), jagged=set())
+                self._partitions[partition_id] = part
+            part.declared = declared
             part.jagged.update(jagged)
             part.num_samples = num_samples if num_samples is not None else part.num_samples
             part.consumer_tasks = tuple(consumer_tasks or part.consumer_tasks)
