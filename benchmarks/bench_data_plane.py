@@ -21,7 +21,7 @@ import time
 import torch
 
 from benchmarks._common import table
-from tq_plugin.data_plane import LocalDataPlane, nested_from_lengths
+from tq_plugin.data_plane import LocalDataPlane, nested_from_lengths, payload_bytes
 
 FIELDS = ["input_ids", "generation_logprobs", "reward"]
 
@@ -35,14 +35,6 @@ def rollout_batch(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
         "generation_logprobs": nested_from_lengths(torch.rand(total, generator=g).neg_(), lengths),
         "reward": torch.randn(n, generator=g),
     }
-
-
-def payload_bytes(batch: dict[str, torch.Tensor]) -> int:
-    out = 0
-    for v in batch.values():
-        buf = v.values() if v.is_nested else v
-        out += buf.numel() * buf.element_size()
-    return out
 
 
 class RowDictStore:

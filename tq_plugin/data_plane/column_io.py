@@ -73,6 +73,18 @@ def _row_lengths(nt: torch.Tensor) -> torch.Tensor:
     return nt.offsets().diff() if nt._lengths is None else nt._lengths  # type: ignore[attr-defined]
 
 
+def payload_bytes(fields: Mapping[str, Any] | TensorDictBase | None) -> int:
+    """Bytes of tensor payload in ``fields``: a jagged column counts its values buffer only."""
+    if fields is None:
+        return 0
+    total = 0
+    for value in fields.values():
+        if isinstance(value, torch.Tensor):
+            buf = value._values if value.is_nested else value  # type: ignore[attr-defined]
+            total += buf.numel() * buf.element_size()
+    return total
+
+
 def to_wire_columns(
     fields: Mapping[str, Any] | TensorDictBase, lengths: torch.Tensor | None
 ) -> dict[str, torch.Tensor]:

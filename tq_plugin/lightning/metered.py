@@ -12,10 +12,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import torch
 from tensordict import TensorDictBase
 
 from tq_plugin.data_plane.client import call_dp
+from tq_plugin.data_plane.column_io import payload_bytes
 from tq_plugin.data_plane.meta import KVBatchMeta
 
 
@@ -34,19 +34,6 @@ class DataPlaneCounters:
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
-
-
-def tensor_bytes(value: torch.Tensor) -> int:
-    """Payload bytes of a dense or jagged tensor (a jagged one counts its values buffer)."""
-    if value.is_nested:
-        value = value.values()
-    return value.numel() * value.element_size()
-
-
-def payload_bytes(fields: Mapping[str, Any] | TensorDictBase | None) -> int:
-    if fields is None:
-        return 0
-    return sum(tensor_bytes(v) for v in fields.values() if isinstance(v, torch.Tensor))
 
 
 class MeteredClient:
