@@ -212,3 +212,11 @@ def test_dynamic_sampling_drops_and_clears_zero_std_groups(client):
         client.get_samples(dropped.sample_ids, "train", ["input_ids"])
     out = read_columns(client, kept, ["input_ids", "total_reward"], layout="jagged")
     assert [r.shape[0] for r in out["input_ids"].unbind()] == [4, 6, 7, 2]
+
+
+def test_payload_bytes_counts_values_buffers_not_padding():
+    from tq_plugin.data_plane import payload_bytes
+
+    fields = {"ids": ragged([3, 5], torch.int64), "mask": torch.zeros(2, 4), "note": "x"}
+    assert payload_bytes(fields) == 8 * 8 + 2 * 4 * 4
+    assert payload_bytes(None) == 0
