@@ -351,3 +351,12 @@ def test_closing_an_open_schema_keeps_its_existing_fields_writable(client):
     client.put_samples(["a"], "p", {"old": torch.ones(1), "new": torch.ones(1)})
     with pytest.raises(ValueError, match="'stray' is not declared"):
         client.put_samples(["a"], "p", {"stray": torch.ones(1)})
+
+
+def test_tags_merge_per_row_and_read_back(train):
+    train.put_samples(["a", "b"], "train", {"r": torch.zeros(2)}, tags=[{"u": 1}, {"u": 2}])
+    train.put_samples(["a"], "train", tags=[{"std": 0.5}])
+    assert train.get_tags(["b", "a"], "train") == [{"u": 2}, {"u": 1, "std": 0.5}]
+    train.clear_samples(["a"], "train")
+    with pytest.raises(KeyError, match="'a'"):
+        train.get_tags(["a"], "train")

@@ -106,10 +106,3 @@ TOKEN_ALIGNED_FIELDS = frozenset(
         MALFORMED_THINKING_MASK,
     }
 )
-
-
-def fields_with_optional_routed_experts(fields: tuple[str, ...] | list[str], *, enabled: bool) -> list[str]:
-    out = list(fields)
-    if enabled and ROUTED_EXPERTS_FIELD not in out:
-        out.append(ROUTED_EXPERTS_FIELD)
-    return out

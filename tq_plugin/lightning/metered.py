@@ -32,9 +32,6 @@ class DataPlaneCounters:
     def minus(self, other: DataPlaneCounters) -> DataPlaneCounters:
         return DataPlaneCounters(**{k: v - getattr(other, k) for k, v in asdict(self).items()})
 
-    def as_dict(self) -> dict[str, float]:
-        return asdict(self)
-
 
 class MeteredClient:
     """A ``DataPlaneClient`` that forwards every call and meters it."""
