@@ -449,6 +449,20 @@ class LocalDataPlane(TaskCursors):
                 "peak_bytes_held": self._peak_bytes,
             }
 
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, path: str) -> None:
+        """Checkpoint every partition to the directory ``path`` (atomic; no pickle)."""
+        from tq_plugin.data_plane.backends._checkpoint import save_store
+
+        save_store(self, path)  # copies the rows under self._lock, writes outside it
+
+    @classmethod
+    def load(cls, path: str) -> LocalDataPlane:
+        """A new store from a ``save`` checkpoint; rejects a truncated or modified one."""
+        from tq_plugin.data_plane.backends._checkpoint import load_store
+
+        return load_store(path)
+
 
 def _raise_mismatch(name: str, held: ColumnSpec, given: ColumnSpec) -> None:
     what = "dtype" if given.dtype != held.dtype else "shape"
