@@ -47,8 +47,8 @@ class RecordingClient:
         self._record("put_samples", kwargs)
         if self.fail_put is not None:
             if self.midway:
-                fields = dict(kwargs["fields"])
-                half = dict(list(fields.items())[: len(fields) // 2])
+                names = list(kwargs["fields"].keys())
+                half = kwargs["fields"].select(*names[: len(names) // 2])
                 self.inner.put_samples(**{**kwargs, "fields": half})
             raise self.fail_put
         return self.inner.put_samples(**kwargs)
@@ -65,6 +65,10 @@ class RecordingClient:
 
     def list_sample_ids(self, **kwargs: Any) -> Any:
         return self.inner.list_sample_ids(**kwargs)
+
+    def get_tags(self, **kwargs: Any) -> Any:
+        self._record("get_tags", kwargs)
+        return self.inner.get_tags(**kwargs)
 
     def of(self, name: str) -> list[dict[str, Any]]:
         return [kwargs for method, kwargs in self.calls if method == name]

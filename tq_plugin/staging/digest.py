@@ -113,8 +113,8 @@ def token_id_bytes(
         raise ValueError(f"{name} must be an unsigned 64-bit integer, got {bad!r}")
     try:
         return len(token_ids), struct.pack(f">{len(token_ids)}Q", *token_ids)
-    except struct.error:
-        bad = next(v for v in token_ids if not 0 <= v <= _U64_MAX)
+    except (struct.error, TypeError):
+        bad = next(v for v in token_ids if type(v) is not int or not 0 <= v <= _U64_MAX)
         raise ValueError(f"{name} must be an unsigned 64-bit integer, got {bad!r}") from None
 
 
@@ -366,7 +366,7 @@ def staging_digest_and_columns(
         mode=mode,
         prev_len=prev_len,
     )
-    count, ids_raw = token_id_bytes(token_ids_delta, check_types=check_types)
+    count, ids_raw = token_id_bytes(token_ids_delta, "token_ids_delta", check_types=check_types)
     mask, mask_raw = float32_bytes(token_mask_delta, "token_mask_delta", check_types=check_types)
     logprobs, logprob_raw = float32_bytes(
         generation_log_probs_delta, "generation_log_probs_delta", check_types=check_types

@@ -11,6 +11,8 @@ the others.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -22,10 +24,12 @@ from tq_plugin.data_plane import (
     GENERATION_LOGPROBS,
     INPUT_IDS,
     INPUT_LENGTHS,
+    PAD_TO_MULTIPLE,
     SAMPLE_MASK,
     TOKEN_MASK,
     TOTAL_REWARD,
     KVBatchMeta,
+    call_dp,
     first_write,
     nested_from_lengths,
 )
@@ -37,12 +41,15 @@ from tq_plugin.staging.media import (
 )
 from tq_plugin.staging.rebuild import LinearizedRow, ReceiptVerificationError, verify_and_linearize
 from tq_plugin.staging.records import StagedCallBaseSnapshot
-from tq_plugin.staging.source import FetchedStagedCall, TQTokenSource
+from tq_plugin.staging.source import FetchedStagedCall, StagingReadError, TQTokenSource
 
 logger = logging.getLogger(__name__)
 
 STATUS_TAG = "staging_status"
 STATUS_OK = "ok"
+# Per-row tag: a hash of what the row was finalized from (sample id, rollout, staged keys and
+# digests, reward), so a retried finalize recognizes the rows its earlier attempt wrote.
+FINALIZED_FROM_TAG = "finalized_from"
 REASSEMBLED_FIELDS = (
     INPUT_IDS,
     INPUT_LENGTHS,
@@ -130,6 +137,27 @@ class RolloutReassembler:
                 "(pass sample_ids when rollout ids repeat)"
             )
         live = [i for i, o in enumerate(outcomes) if o.status == STATUS_OK]
+        origins = [_origin(sid, r, o) for sid, r, o in zip(ids, receipts, outcomes)]
+        done = self._already_written(ids, partition_id, origins)
+        if done is not None:
+            # A retry after the write landed (the clear or the reply failed): the rows stand
+            # as written; re-reading staged rows a previous attempt may have cleared would
+            # turn complete rollouts into placeholders.
+            if self.clear_staged:
+                self._clear(receipts, live)
+            lengths, fields, tags = done
+            info = dict(extra_info or {})
+            if pad_to_multiple > 1:
+                info[PAD_TO_MULTIPLE] = int(pad_to_multiple)
+            return KVBatchMeta(
+                partition_id=partition_id,
+                task_name=task_name,
+                sample_ids=ids,
+                fields=fields,
+                sequence_lengths=lengths,
+                extra_info=info,
+                tags=tags,
+            )
         fetched = self._fetch(receipts, outcomes, live)
         for i in live:
             if outcomes[i].status == STATUS_OK:
@@ -144,11 +172,67 @@ class RolloutReassembler:
             extra_info=extra_info,
             task_name=task_name,
             pad_to_multiple=pad_to_multiple,
-            tags=[{"rollout_id": o.rollout_id, STATUS_TAG: o.status} for o in outcomes],
+            tags=[
+                {"rollout_id": o.rollout_id, STATUS_TAG: o.status, FINALIZED_FROM_TAG: origin}
+                for o, origin in zip(outcomes, origins)
+            ],
         )
         if self.clear_staged:
-            self.source.store.clear([row.staging_key for i in live for row in receipts[i].manifest])
+            self._clear(receipts, live)
         return meta
+
+    def _clear(self, receipts: list[Any], live: list[int]) -> None:
+        """Drop the group's staged rows (idempotent: a retry clears what is left)."""
+        self.source.store.clear([row.staging_key for i in live for row in receipts[i].manifest])
+
+    def _already_written(
+        self, ids: list[str], partition_id: str, origins: list[str]
+    ) -> tuple[list[int], list[str], list[dict[str, Any]]] | None:
+        """``(lengths, fields, tags)`` when an earlier attempt wrote exactly this group, else None.
+
+        Rows count as this group's only when every id is present and its tag says it was
+        finalized from the same receipt; a missing id (``KeyError``) means a fresh finalize.
+        A store without ``get_tags`` cannot tell, and is finalized afresh. Any other read
+        failure raises: whether the group was written is unknown, and the caller retries.
+        """
+        if not hasattr(self.dp_client, "get_tags"):
+            return None
+        try:
+            tags = call_dp(self.dp_client, "get_tags", sample_ids=ids, partition_id=partition_id)
+        except KeyError:
+            return None
+        if len(tags) != len(ids) or any(
+            t.get(FINALIZED_FROM_TAG) != origin for t, origin in zip(tags, origins)
+        ):
+            return None
+        fields = [INPUT_IDS, TOKEN_MASK, GENERATION_LOGPROBS, INPUT_LENGTHS, SAMPLE_MASK]
+        if self.reward_field is not None:
+            fields.append(self.reward_field)
+        td = call_dp(
+            self.dp_client,
+            "get_samples",
+            sample_ids=ids,
+            partition_id=partition_id,
+            select_fields=[INPUT_LENGTHS, SAMPLE_MASK],
+        )
+        if tuple(td.batch_size) != (len(ids),):
+            raise StagingReadError(
+                f"finalize_group: read-back of {len(ids)} finalized rows returned "
+                f"{tuple(td.batch_size)}"
+            )
+        if self.capture_media and bool((td[SAMPLE_MASK] > 0).any()):
+            try:
+                call_dp(
+                    self.dp_client,
+                    "get_samples",
+                    sample_ids=ids,
+                    partition_id=partition_id,
+                    select_fields=[MEDIA_IMGS_FIELD],
+                )
+                fields.extend(REASSEMBLED_MEDIA_FIELDS)
+            except KeyError:
+                pass  # the group had no media
+        return [int(x) for x in td[INPUT_LENGTHS].tolist()], fields, [dict(t) for t in tags]
 
     def _outcome(self, receipt: Any, index: int) -> _Outcome:
         status = _preflight_status(receipt)
@@ -183,6 +267,8 @@ class RolloutReassembler:
                 continue
             try:
                 fetched[i] = self.source.fetch_for_finalization(keys[i])
+            except StagingReadError:
+                raise  # unknown, not missing: the caller retries; never a placeholder for it
             except Exception as exc:  # noqa: BLE001 - this rollout becomes a placeholder
                 self._poison(outcomes[i], "fetch_failed", f"{type(exc).__name__}: {exc}")
         return fetched
@@ -222,6 +308,8 @@ class RolloutReassembler:
                         bundles.update(
                             zip([c.staging_key for c in mine], self.source.fetch_media(mine))
                         )
+                    except StagingReadError:
+                        raise  # unknown, not missing: the caller retries
                     except Exception as exc:  # noqa: BLE001 - its rows become placeholders below
                         logger.warning("media read failed for one rollout: %s", exc)
         for i, calls in wanted.items():
@@ -254,6 +342,17 @@ class RolloutReassembler:
         if any(o.media for o in outcomes):
             batch.update(_media_batch(outcomes))
         return batch
+
+
+def _origin(sample_id: str, receipt: Any, outcome: _Outcome) -> str:
+    """What a row is finalized from: its id, rollout, reward and staged keys with digests."""
+    rows = [
+        [getattr(r, "staging_key", None), getattr(r, "digest", None)]
+        for r in getattr(receipt, "manifest", None) or []
+    ]
+    payload = [sample_id, outcome.rollout_id, outcome.reward, rows]
+    text = json.dumps(payload, ensure_ascii=True, default=repr)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
 def _media_batch(outcomes: list[_Outcome]) -> dict[str, torch.Tensor]:

@@ -34,11 +34,32 @@ CaptureDisposition = Literal["staged", "capture_failed"]
 TerminalSelectionMethod = Literal["declared", "response_id", "content", "heuristic"]
 
 
+def _key_part(name: str, value: Any) -> str:
+    """One id as a key component: UTF-8 text with ``%`` and ``/`` percent-escaped."""
+    if type(value) is not str:
+        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{name} is not valid UTF-8 text (lone surrogate at position {exc.start})"
+        ) from None
+    if "%" in value or "/" in value:
+        return value.replace("%", "%25").replace("/", "%2F")
+    return value
+
+
 def staging_key(rollout_id: str, model_call_id: str) -> str:
-    """The default staging key ``"<rollout_id>/<model_call_id>"`` (keys are opaque to readers)."""
+    """The default staging key ``"<rollout_id>/<model_call_id>"`` (keys are opaque to readers).
+
+    Injective: ``%`` and ``/`` inside an id are percent-escaped, so rollout ``"a/b"`` + call
+    ``"c"`` and rollout ``"a"`` + call ``"b/c"`` get different keys; ids without either
+    character keep the reference's plain ``"<rollout_id>/<model_call_id>"`` form. Ids must
+    be non-empty UTF-8 text (a lone surrogate cannot be stored or returned).
+    """
     if not rollout_id or not model_call_id:
         raise ValueError("rollout_id and model_call_id must be non-empty")
-    return f"{rollout_id}/{model_call_id}"
+    return f"{_key_part('rollout_id', rollout_id)}/{_key_part('model_call_id', model_call_id)}"
 
 
 class _WireModel(BaseModel):

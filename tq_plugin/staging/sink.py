@@ -171,24 +171,40 @@ class TQTokenSink:
     def stage(self, record: Any, *, attachments: Mapping[str, Any] | None = None) -> Any:
         """Write the token row and its media attachments in one put.
 
-        Success is returned only after the combined write was acknowledged. The store has
-        no transactional rollback: if the write raises, the attempted key is discarded
-        best-effort before the failure is reported (see ``_discard_failed_write``).
+        Success is returned only once the row under the key holds exactly this call: the put
+        was acknowledged, or it raised and a read-back found the complete row (the write
+        landed, or an identical call was acknowledged there before). A failed put discards
+        only what this put can have made live, never an acknowledged row (see
+        ``_settle_failed_write``). Never raises.
         """
         key: str | None = None
-        write_started = False
         try:
             key = staging_key(record.rollout_id, record.model_call_id)
             fields, tags = self._row(record, attachments)
-            write_started = True
-            self.store.put(key, fields, tags=tags)
         except Exception as exc:  # noqa: BLE001 - stage never raises: the result carries it
-            error = f"{type(exc).__name__}: {exc}"
-            logger.warning("TQTokenSink.stage failed for %s: %s", key, error)
-            if write_started and key is not None:
-                self._discard_failed_write(key)
-            return _result(ok=False, staging_key=key, error=error)
+            return self._failed(key, exc)  # rejected before any write: nothing to clean up
+        try:
+            self.store.put(key, fields, tags=tags)
+        except Exception as exc:  # noqa: BLE001 - settled below, then reported
+            if self._settle_failed_write(key, fields):
+                logger.warning(
+                    "TQTokenSink.stage: the put of %s raised (%s: %s) but the complete row "
+                    "is durable; staged",
+                    key,
+                    type(exc).__name__,
+                    exc,
+                )
+                return _result(ok=True, staging_key=key)
+            return self._failed(key, exc)
         return _result(ok=True, staging_key=key)
+
+    def _failed(self, key: str | None, exc: BaseException) -> Any:
+        error = _safe_text(f"{type(exc).__name__}: {exc}") or type(exc).__name__
+        logger.warning("TQTokenSink.stage failed for %s: %s", key, error)
+        try:
+            return _result(ok=False, staging_key=key, error=error)
+        except Exception:  # noqa: BLE001 - a key the result model refuses is left out
+            return _result(ok=False, staging_key=None, error=error)
 
     def _row(
         self, record: Any, attachments: Mapping[str, Any] | None
@@ -202,8 +218,11 @@ class TQTokenSink:
                 f"media 'imgs' dtype {media.imgs.dtype} does not match the staging column dtype "
                 f"{self.media_pixel_dtype}"
             )
+        # Exact types are checked (not assumed): a record may have been built with
+        # ``model_copy`` (no validation) or by another library; a bad value must come back
+        # as an error naming its field, never as a stray exception or a silent cast.
         digest, ids_raw, mask_raw, logprob_raw = staging_digest_and_columns(
-            **_digest_fields(record), check_types=False
+            **_digest_fields(record)
         )
         if digest != record.digest:
             raise ValueError("digest does not match staged call contents")
@@ -273,16 +292,54 @@ class TQTokenSink:
         }
         return fields, tags
 
-    def _discard_failed_write(self, key: str) -> None:
-        """Reclaim whatever a failed combined write may have left behind.
+    def _settle_failed_write(self, key: str, fields: Mapping[str, torch.Tensor]) -> bool:
+        """After a put raised: True when the row under ``key`` holds exactly this call.
 
-        A backend may write field by field before it publishes a row, so a raise mid-write
-        can leave partial field keys with no logical row. Failed coordinates carry no
-        staging key, so the finalizer never learns this key: the sink is the only owner
-        able to clean it. Clearing is idempotent; if it fails too, the storage state is
-        uncertain and is logged at ERROR for the operator. The stage is reported failed
-        either way.
+        The store has no transactional rollback, and a raise says nothing about whether the
+        write landed (a transport may fail after the store applied it; a backend writing
+        field by field may stop part-way). So the row is read back:
+
+        * complete and equal to this call: durable, the stage succeeds (a landed write, or
+          a retry of an acknowledged call);
+        * complete with different bytes: another call's acknowledged row, kept as it is;
+        * absent or partial: no acknowledged row lives there (an acknowledged row holds
+          every field its put wrote, and one with this call's digest holds every field of
+          this call), so whatever is there can only be this put's, and it is discarded.
+
+        When the read-back itself fails the state is uncertain and nothing is discarded: an
+        acknowledged row is never risked (a later retry of the stage settles the key).
         """
+        try:
+            # Equal: durable. Different: another acknowledged call holds the key; kept.
+            return _rows_equal(self.store.get([key], select_fields=list(fields)), fields)
+        except KeyError:
+            pass  # absent, or lacks some field of this call
+        except Exception as exc:  # noqa: BLE001 - uncertain: keep everything
+            self._uncertain(key, exc)
+            return False
+        try:
+            stored = self.store.get([key], select_fields=["digest_bytes"])
+            if _rows_equal(stored, {"digest_bytes": fields["digest_bytes"]}):
+                self._discard(key)  # this call's digest, some field missing: a partial write
+            return False  # another call's row with a different digest is kept
+        except KeyError:
+            self._discard(key)  # absent, or no digest: nothing acknowledged lives there
+        except Exception as exc:  # noqa: BLE001 - uncertain: keep everything
+            self._uncertain(key, exc)
+        return False
+
+    def _uncertain(self, key: str, exc: BaseException) -> None:
+        logger.error(
+            "TQTokenSink could not read back the failed write of %s (%s: %s); nothing was "
+            "discarded, the staging partition %r may retain a partial row until it is retried",
+            key,
+            type(exc).__name__,
+            exc,
+            self.staging_partition,
+        )
+
+    def _discard(self, key: str) -> None:
+        """Clear a key known to hold no acknowledged row (idempotent; a failure is logged)."""
         try:
             self.store.clear([key])
         except Exception as exc:  # noqa: BLE001 - a failed discard is logged, never raised
@@ -298,6 +355,24 @@ class TQTokenSink:
     def clear(self, staging_keys: list[str]) -> None:
         """Drop staged rows (finalizer / eviction cleanup)."""
         self.store.clear(staging_keys)
+
+
+def _rows_equal(stored: Any, fields: Mapping[str, torch.Tensor]) -> bool:
+    """Whether a one-row read holds exactly ``fields`` (dtype, shape and values)."""
+    if tuple(stored.batch_size) != (1,):
+        raise RuntimeError(f"read-back returned {tuple(stored.batch_size)} rows for one key")
+    for name, value in fields.items():
+        held = stored.get(name)
+        held = held.values() if held.is_nested else held[0]
+        mine = value[0]
+        if held.dtype != mine.dtype or held.shape != mine.shape or not torch.equal(held, mine):
+            return False
+    return True
+
+
+def _safe_text(text: str) -> str:
+    """``text`` with anything UTF-8 cannot encode (lone surrogates) backslash-escaped."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _result(**kwargs: Any) -> Any:

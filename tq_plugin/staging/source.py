@@ -235,6 +235,15 @@ def _row_extras(batch: _Batch, i: int, *, verify_media: bool) -> dict[str, Any] 
     return value
 
 
+class StagingReadError(KeyError):
+    """A staged read whose outcome is unknown: the transport failed or the store came back short.
+
+    A ``KeyError`` (as the source contract requires), but unlike the store's own
+    ``KeyError`` for a missing row it says nothing about the rows: retry the read, never
+    turn the rollout into a placeholder because of it.
+    """
+
+
 def _check_route_free_extras(extras: dict[str, Any] | None, extras_digest: str, key: str) -> None:
     """Without routes the metadata is the call's whole extras: it must match its digest."""
     expected = EMPTY_EXTRAS_DIGEST if extras is None else compute_extras_digest(extras)
@@ -274,13 +283,16 @@ class TQTokenSource:
         try:
             td = self.store.get(keys, select_fields=select)
         except Exception as exc:
-            raise KeyError(
+            error = KeyError if isinstance(exc, KeyError) else StagingReadError
+            raise error(
                 f"{what}: staged rows for {len(keys)} keys could not be fetched from "
                 f"{self.staging_partition!r}: {type(exc).__name__}: {exc}"
             ) from exc
         batch = _Batch(td)
         if batch.n != len(keys):
-            raise KeyError(f"{what}: staged rows missing: requested {len(keys)}, got {batch.n}")
+            raise StagingReadError(
+                f"{what}: staged rows missing: requested {len(keys)}, got {batch.n}"
+            )
         return batch
 
     def fetch(self, staging_keys: list[str]) -> list[Any]:

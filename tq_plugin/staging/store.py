@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 
 from tq_plugin.data_plane import (
     ROUTED_EXPERTS_ENCODING_FIELD,
@@ -119,13 +119,18 @@ class TQStagingStore:
         *,
         tags: Mapping[str, Any] | None = None,
     ) -> None:
-        """Write one row (all its fields in one atomic put); returns once acknowledged."""
+        """Write one row (all its fields in one atomic put); returns once acknowledged.
+
+        The payload is a ``TensorDict`` of batch size ``[1]``, as the data-plane contract types
+        ``put_samples(fields=...)``, so a client written to that contract (one that calls
+        ``fields.select(...)``, say) works under the sink.
+        """
         call_dp(
             self.dp_client,
             "put_samples",
             sample_ids=[key],
             partition_id=self.staging_partition,
-            fields=dict(field_dict),
+            fields=TensorDict(dict(field_dict), batch_size=[1]),
             tags=[dict(tags or {})],
         )
 
