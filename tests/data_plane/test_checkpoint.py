@@ -324,7 +324,19 @@ def test_load_into_another_client_puts_the_rows_and_warns_about_claims(ck: Path)
     store.save(ck)
     other = Forwarding()
     with pytest.warns(RuntimeWarning, match="claims of partition 'p' are not restored"):
-        assert load_into(other, ck) == ["p"]
+        assert load_into(other, ck).partition_ids == ["p"]
     got = other.get_samples(["b", "a"], "p", ["d", "j"])
     assert torch.equal(got["d"], torch.tensor([[2.0, 3.0], [0.0, 1.0]]))
     assert got["j"].offsets().tolist() == [0, 1, 4]
+
+
+def test_metadata_round_trips_and_is_validated_like_tags(tmp_path: Path) -> None:
+    from tq_plugin.data_plane.backends._checkpoint import save_store
+
+    s = LocalDataPlane()
+    note = {"step": 3, "meta": {"sample_ids": ["a"], "extra_info": {"pad": 8}}}
+    save_store(s, tmp_path / "ck", metadata=note)
+    assert load_into(LocalDataPlane(), tmp_path / "ck").metadata == note
+    with pytest.raises(TypeError, match=r"save: metadata\['when'\] is a tuple"):
+        save_store(s, tmp_path / "ck2", metadata={"when": (1, 2)})
+    assert sorted(os.listdir(tmp_path)) == ["ck"]

@@ -36,7 +36,7 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -98,6 +98,14 @@ class _Manifest(_Strict):
     format: Literal["tq_plugin.local_store"]
     format_version: int
     partitions: list[_PartitionEntry]
+    metadata: dict[str, Any]  # the caller's, e.g. the Lightning callback's in-flight step meta
+
+
+class Restored(NamedTuple):
+    """What ``load_into`` put back: the partitions, and the metadata saved with them."""
+
+    partition_ids: list[str]
+    metadata: dict[str, Any]
 
 
 # ---------------------------------------------------------------------- snapshot (save side)
@@ -219,13 +227,21 @@ def _siblings(path: Path, kind: str) -> list[Path]:
     return sorted(p for p in path.parent.iterdir() if p.name.startswith(prefix))
 
 
-def save_store(store: LocalDataPlane, path: str | os.PathLike[str]) -> None:
+def save_store(
+    store: LocalDataPlane,
+    path: str | os.PathLike[str],
+    *,
+    metadata: Mapping[str, Any] | None = None,
+) -> None:
     """Write ``store`` to the directory ``path``, replacing an existing checkpoint atomically.
 
     The store is copied under its lock (a consistent cut: no put is half in it), then written
-    without holding the lock. A tag that JSON cannot carry faithfully raises before anything is
-    written. One writer per ``path`` at a time.
+    without holding the lock. ``metadata`` (JSON primitives) is kept in the manifest and handed
+    back by ``load_into``. A tag or metadata value that JSON cannot carry faithfully raises
+    before anything is written. One writer per ``path`` at a time.
     """
+    meta = dict(metadata or {})
+    _check_tag_value(meta, "save: metadata")
     target = Path(path)
     if target.exists() and not (target / MANIFEST_DIGEST).is_file() and (
         not target.is_dir() or any(target.iterdir())
@@ -249,7 +265,8 @@ def save_store(store: LocalDataPlane, path: str | os.PathLike[str]) -> None:
             blob = _st_save(snap.tensors, metadata={"partition_id": snap.entry["partition_id"]})
             _write_synced(tmp / _file_of(index), blob)
             entries.append({**snap.entry, "sha256": _sha256(blob)})
-        manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "partitions": entries}
+        manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "partitions": entries,
+                    "metadata": meta}
         text = json.dumps(manifest, sort_keys=True, allow_nan=False).encode()
         _write_synced(tmp / MANIFEST, text)
         _write_synced(tmp / MANIFEST_DIGEST, _sha256(text).encode())
@@ -393,7 +410,7 @@ def _check_partition(entry: _PartitionEntry, tensors: dict[str, torch.Tensor], f
     _expect(not extra, file, f"holds tensors the manifest does not name: {extra[:_SHOW]}")
 
 
-def read_checkpoint(path: str | os.PathLike[str]) -> list[_LoadedPartition]:
+def read_checkpoint(path: str | os.PathLike[str]) -> tuple[list[_LoadedPartition], dict[str, Any]]:
     """Read and fully validate a checkpoint; raise ``CheckpointError`` naming the file and rule."""
     root = _resolve(Path(path))
     manifest = _parse_manifest(root)
@@ -417,7 +434,7 @@ def read_checkpoint(path: str | os.PathLike[str]) -> list[_LoadedPartition]:
             ) from None
         _check_partition(entry, tensors, file)
         out.append(_LoadedPartition(entry, tensors))
-    return out
+    return out, manifest.metadata
 
 
 # ---------------------------------------------------------------------- restore (load side)
@@ -430,8 +447,8 @@ def _field_payload(f: _FieldEntry, key: str, tensors: Mapping[str, torch.Tensor]
     return torch.nested.nested_tensor_from_jagged(tensors[f"{key}.values"], offsets)
 
 
-def load_into(client: Any, path: str | os.PathLike[str]) -> list[str]:
-    """Put a checkpoint's partitions into ``client`` (any ``DataPlaneClient``); return their ids.
+def load_into(client: Any, path: str | os.PathLike[str]) -> Restored:
+    """Put a checkpoint's partitions into ``client`` (any ``DataPlaneClient``).
 
     The whole checkpoint is validated before the first write. Rows are re-put in first-put
     order (so claims keep their order) and revalidated by ``put_samples``; rows with the same
@@ -440,7 +457,7 @@ def load_into(client: Any, path: str | os.PathLike[str]) -> list[str]:
     """
     from tq_plugin.data_plane.backends.local import LocalDataPlane
 
-    loaded = read_checkpoint(path)
+    loaded, metadata = read_checkpoint(path)
     for lp in loaded:
         e = lp.entry
         call_dp(
@@ -480,7 +497,7 @@ def load_into(client: Any, path: str | os.PathLike[str]) -> list[str]:
                 RuntimeWarning,
                 stacklevel=2,
             )
-    return [lp.entry.partition_id for lp in loaded]
+    return Restored([lp.entry.partition_id for lp in loaded], metadata)
 
 
 def load_store(path: str | os.PathLike[str]) -> LocalDataPlane:
