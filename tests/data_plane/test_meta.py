@@ -152,3 +152,58 @@ def test_per_row_extra_info_follows_rows():
     m = _meta(2, extra_info={"packed_attention_segment_lengths": [[10], [20]]})
     assert m.subset([1]).extra_info["packed_attention_segment_lengths"] == [[20]]
     assert m.concat(m).extra_info["packed_attention_segment_lengths"] == [[10], [20], [10], [20]]
+
+
+# ---------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"partition_id": 3}, "partition_id must be a str"),
+        ({"task_name": 1}, "task_name must be a str or None"),
+        ({"sample_ids": "ab"}, "sample_ids must be a list"),
+        ({"sample_ids": ["a", 2]}, "sample_ids must hold strings"),
+        ({"fields": "input_ids"}, "fields must be a list"),
+        ({"sequence_lengths": [1.0, 2.0]}, "sequence_lengths must hold Python ints"),
+        ({"sequence_lengths": [True, 2]}, "sequence_lengths must hold Python ints"),
+        ({"sequence_lengths": 2}, "sequence_lengths must be a list"),
+        ({"extra_info": [("k", 1)]}, "extra_info must be a dict"),
+        ({"tags": [{}, "x"]}, "tags must be a list of dicts"),
+    ],
+)
+def test_wrong_types_are_type_errors_naming_the_field(kwargs, match):
+    base = {"partition_id": "p", "task_name": None, "sample_ids": ["a", "b"]}
+    with pytest.raises(TypeError, match=match):
+        KVBatchMeta(**{**base, **kwargs})
+
+
+def test_tuples_are_taken_as_lists():
+    m = KVBatchMeta("p", None, ("a", "b"), sequence_lengths=(1, 2))
+    assert m.sample_ids == ["a", "b"] and m.sequence_lengths == [1, 2]
+
+
+def test_drop_out_of_range_is_an_index_error_not_a_wrap_around():
+    """Regression: drop([7]) on 4 rows used to drop row 3 (7 % 4)."""
+    with pytest.raises(IndexError, match="index 7 out of range for size 4"):
+        _meta().drop([7])
+    assert _meta().drop([-1]).sample_ids == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("bad", [[1.5], ["1"], [None]])
+def test_non_integer_indices_are_type_errors(bad):
+    """Regression: subset([1.5]) used to take row 1 (int(1.5))."""
+    for select in (_meta().subset, _meta().drop):
+        with pytest.raises(TypeError, match="indices must be ints"):
+            select(bad)
+    with pytest.raises(TypeError, match="start and stop must be ints"):
+        _meta().slice(0, 1.5)
+
+
+def test_concat_and_stamp_tags_type_errors():
+    with pytest.raises(TypeError, match="expected KVBatchMeta, got list"):
+        _meta().concat(["x"])
+    m = _meta(2)
+    with pytest.raises(TypeError, match="must map a str to a sequence"):
+        m.stamp_tags({"std": 0.5})
+    with pytest.raises(TypeError, match="scalars must be a dict"):
+        m.stamp_tags([("std", [1, 2])])
+    assert m.tags == [{"row": 0}, {"row": 1}]

@@ -101,6 +101,62 @@ def test_ffd_properties(case):
     assert micro_batch_lengths(lengths, bins, mode="packed", multiple=multiple) == loads
 
 
+# ---------------------------------------------------------------------------- modified FFD
+MFFD = "modified_first_fit_decreasing"
+
+
+def test_mffd_fills_a_long_rows_gap_with_a_pair_of_short_rows():
+    """Plain FFD gives the 60-row's gap of 40 to the 30-row (next by length) and leaves 10 idle;
+    MFFD's small-pair step puts 18 + 20 there (38 of 40), a different, tighter plan."""
+    lengths = [60, 30, 20, 18]
+    assert plan_sequence_packing(lengths, max_tokens_per_microbatch=100) == [[0, 1], [2, 3]]
+    mffd = plan_sequence_packing(lengths, max_tokens_per_microbatch=100, algorithm=MFFD)
+    assert mffd == [[0, 3, 2], [1]]
+
+
+def test_mffd_can_use_fewer_bins_than_ffd():
+    lengths = [24, 90, 16, 85, 29, 18, 11, 35, 58, 61, 45, 84, 2, 19]
+    ffd = plan_sequence_packing(lengths, max_tokens_per_microbatch=100)
+    mffd = plan_sequence_packing(lengths, max_tokens_per_microbatch=100, algorithm=MFFD)
+    assert len(ffd) == 7 and len(mffd) == 6
+
+
+def test_mffd_gives_a_long_row_the_longest_medium_row_that_fits():
+    # 55 leaves 45: of the medium rows (34..50) 45 is the longest that fits, not 50 nor 34
+    lengths = [55, 50, 45, 34]
+    mffd = plan_sequence_packing(lengths, max_tokens_per_microbatch=100, algorithm=MFFD)
+    assert mffd[0] == [0, 2]
+
+
+def test_plan_microbatches_runs_the_named_algorithm():
+    lengths = [60, 30, 20, 18]
+    args = {"max_tokens_per_microbatch": 100}
+    mbs, _ = plan_microbatches(lengths, sequence_packing_args={**args, "algorithm": MFFD})
+    assert mbs == [[0, 3, 2], [1]]
+    mbs, _ = plan_microbatches(lengths, sequence_packing_args=args)
+    assert mbs == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError, match="not supported"):
+        plan_sequence_packing(lengths, max_tokens_per_microbatch=100, algorithm="best_fit")
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=planner_inputs(headroom=400))
+def test_mffd_properties(case):
+    """Every row packed exactly once, no empty bin, every bin within the budget, and the long
+    rows (over half the budget) each lead their own bin, in length order."""
+    lengths, multiple, costs, cap = case
+    bins = plan_sequence_packing(
+        lengths, max_tokens_per_microbatch=cap, sequence_length_pad_multiple=multiple,
+        algorithm=MFFD,
+    )
+    assert sorted(_flat(bins)) == list(range(len(lengths)))
+    assert all(bins)
+    assert all(sum(costs[i] for i in b) <= cap for b in bins)
+    large = sorted((r for r in range(len(lengths)) if 2 * costs[r] > cap), key=lambda r: (-lengths[r], r))
+    assert [b[0] for b in bins[: len(large)]] == large
+    assert all(2 * costs[i] <= cap for b in bins for i in b[1:])
+
+
 # ---------------------------------------------------------------------------- dynamic batching
 def test_dynamic_batches_known_example():
     # sorted desc: 9(r1),8(r3),4(r0),4(r4),2(r2); rounded to 4: 12,8,4,4,4; budget 16
@@ -255,7 +311,6 @@ def test_sequence_packing_args_defaults_and_reference_names():
     ("args", "match"),
     [
         ({"sequence_length_round": 64}, "is required"),
-        ({"max_tokens_per_microbatch": True}, "positive int"),
         ({"max_tokens_per_microbatch": 8, "sequence_length_round": -1}, "sequence_length_round"),
         ({"max_tokens_per_microbatch": 8, "algorithm": "x"}, "unknown key"),
     ],
@@ -272,8 +327,38 @@ def test_packing_args_must_be_a_dict():
 
 @pytest.mark.parametrize(
     ("lengths", "match"),
-    [([1.5, 2.0], "must hold ints"), ([3, -1], "row 1 has length -1"), ([[1, 2]], "1-D")],
+    [([3, -1], "row 1 has length -1"), (torch.ones(2, 2, dtype=torch.int64), "1-D"), ([2**70], "int64")],
 )
 def test_bad_lengths(lengths, match):
     with pytest.raises(ValueError, match=match):
         as_lengths(lengths)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "match"),
+    [
+        ([1.5, 2.0], "must hold ints"),
+        ([[1, 2]], "must hold ints"),
+        (["3"], "must hold ints"),
+        ([None], "must hold ints"),
+        ([True, 2], "must hold ints"),
+        (torch.tensor([1.0]), "must hold ints"),
+        ("12", "sequence of ints"),
+    ],
+)
+def test_non_integer_lengths_are_type_errors(lengths, match):
+    with pytest.raises(TypeError, match=match):
+        as_lengths(lengths)
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ({"max_tokens_per_microbatch": True}, "positive int, got bool"),
+        ({"max_tokens_per_microbatch": "8"}, "positive int, got str"),
+        ({"max_tokens_per_microbatch": 8, "sequence_length_round": 2.0}, "got float"),
+    ],
+)
+def test_dynamic_batching_args_type_errors(args, match):
+    with pytest.raises(TypeError, match=match):
+        validate_dynamic_batching_args(args)

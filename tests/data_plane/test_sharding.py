@@ -260,7 +260,6 @@ def test_shards_pickle():
             "sequence_lengths is missing",
         ),
         (make_meta([3, 4]), {"dp_world": 0}, "dp_world must be a positive int"),
-        (make_meta([3, 4]), {"dp_world": 2.0}, "dp_world must be a positive int"),
         (make_meta([3, 4]), {"dp_world": 1, "batch_size": 0}, "batch_size must be a positive int"),
         (
             make_meta([3, 4, 5]),
@@ -299,6 +298,46 @@ def test_shards_pickle():
 def test_errors(meta, kwargs, match):
     with pytest.raises(ValueError, match=match):
         shard_meta_for_dp(meta, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"dp_world": 2.0}, "dp_world must be a positive int, got float"),
+        ({"dp_world": "2"}, "dp_world must be a positive int, got str"),
+        ({"dp_world": True}, "dp_world must be a positive int, got bool"),
+        ({"dp_world": 1, "batch_size": "2"}, "batch_size must be a positive int, got str"),
+        (
+            {"dp_world": 1, "sequence_packing_args": {**SEQPACK, "max_tokens_per_microbatch": "8"}},
+            r"sequence_packing_args\['max_tokens_per_microbatch'\] must be a positive int, got str",
+        ),
+        ({"dp_world": 1, "dynamic_batching_args": [1]}, "dynamic_batching_args must be a dict"),
+    ],
+)
+def test_wrong_argument_types_are_type_errors_naming_the_argument(kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        shard_meta_for_dp(make_meta([3, 4]), **kwargs)
+
+
+def test_duplicate_sample_ids_are_refused():
+    """A duplicated key would go to two ranks, and both would write it back."""
+    meta = KVBatchMeta("p", None, ["a", "b", "a", "c"], sequence_lengths=[1, 2, 3, 4])
+    with pytest.raises(ValueError, match=r"sample_ids must be unique.*\['a'\]"):
+        shard_meta_for_dp(meta, dp_world=2)
+
+
+def test_tags_misaligned_after_construction_are_a_value_error():
+    meta = make_meta([3, 4])
+    meta.tags.append({})  # mutated after construction
+    with pytest.raises(ValueError, match="meta.tags has 3 entries for 2 sample_ids"):
+        shard_meta_for_dp(meta, dp_world=1)
+
+
+def test_non_integer_lengths_are_a_type_error():
+    meta = make_meta([3, 4])
+    meta.sequence_lengths[1] = 4.5  # mutated after construction
+    with pytest.raises(TypeError, match="meta.sequence_lengths must hold ints"):
+        shard_meta_for_dp(meta, dp_world=1)
 
 
 def test_meta_must_be_a_kvbatchmeta():

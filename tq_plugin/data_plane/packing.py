@@ -22,7 +22,9 @@ input_lengths_key, sequence_length_round, max_tokens_per_microbatch}``.
 
 from __future__ import annotations
 
+import bisect
 import heapq
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -30,8 +32,9 @@ import torch
 
 MicroBatchMode = Literal["packed", "padded"]
 
-# Both names run the first-fit-decreasing planner below: "modified_first_fit_decreasing" is
-# the name NeMo RL's exemplar configs use, accepted so those configs load unchanged.
+# "first_fit_decreasing": plain FFD. "modified_first_fit_decreasing": Johnson and Garey's MFFD
+# (size classes; large rows first get medium rows and pairs of small rows, then FFD), the
+# algorithm NeMo RL's exemplar configs name.
 SEQUENCE_PACKING_ALGORITHMS = ("first_fit_decreasing", "modified_first_fit_decreasing")
 MICROBATCH_ORDERS = ("packer", "largest_first")
 
@@ -54,15 +57,32 @@ _DYNBATCH_KEYS = frozenset(
 def as_lengths(
     lengths: Sequence[int] | torch.Tensor, *, name: str = "sequence_lengths"
 ) -> torch.Tensor:
-    """``lengths`` as a 1-D int64 CPU tensor; non-integer or negative lengths: ``ValueError``."""
+    """``lengths`` as a 1-D int64 CPU tensor.
+
+    ``TypeError`` when the entries are not integers (floats, bools, strings, nested tensors);
+    ``ValueError`` for a shape other than 1-D, an int beyond int64, or a negative length.
+    """
+    if isinstance(lengths, torch.Tensor) and lengths.is_nested:
+        raise TypeError(f"{name} must be a dense 1-D integer tensor, got a nested tensor")
+    if isinstance(lengths, (list, tuple)):
+        kinds = set(map(type, lengths))
+        if not kinds <= {int} and not all(
+            issubclass(k, numbers.Integral) and k is not bool for k in kinds
+        ):
+            bad = sorted(
+                k.__name__ for k in kinds if k is bool or not issubclass(k, numbers.Integral)
+            )
+            raise TypeError(f"{name} must hold ints, got {bad}")
+    elif isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__len__"):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(lengths).__name__}")
     try:
         t = torch.as_tensor(lengths)
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise ValueError(f"{name} must be a sequence of non-negative ints: {exc}") from None
+    except (TypeError, ValueError, RuntimeError) as exc:  # ints beyond int64, odd array types
+        raise ValueError(f"{name} must be a sequence of non-negative int64 values: {exc}") from None
     if t.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
     if t.numel() and (t.dtype == torch.bool or t.dtype.is_floating_point or t.dtype.is_complex):
-        raise ValueError(f"{name} must hold ints, got dtype {t.dtype}")
+        raise TypeError(f"{name} must hold ints, got dtype {t.dtype}")
     t = t.to(device="cpu", dtype=torch.int64)
     if t.numel() and int(t.min()) < 0:
         bad = int(torch.nonzero(t < 0)[0, 0])
@@ -76,7 +96,11 @@ def _positive_int(args: Mapping[str, Any], key: str, where: str, default: int | 
             raise ValueError(f"{where}[{key!r}] is required")
         return default
     value = args[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"{where}[{key!r}] must be a positive int, got {type(value).__name__} {value!r}"
+        )
+    if value < 1:
         raise ValueError(f"{where}[{key!r}] must be a positive int, got {value!r}")
     return int(value)
 
@@ -160,54 +184,121 @@ def _prepare(
 
 
 # ---------------------------------------------------------------------------- planners
+def _first_fit(
+    rows: Sequence[int], costs: Sequence[int], cap: int, bins: list[list[int]], free: list[int]
+) -> list[list[int]]:
+    """First fit of ``rows`` (in the given order) after the already-open ``bins``.
+
+    ``free[b]`` is the room left in open bin ``b``. The leftmost bin with room is found in
+    O(log n) per row with a max-segment-tree over the bins' free space (unopened bins sit to the
+    right with full capacity, so the leftmost fitting leaf is the answer whether or not it is
+    open yet). Appends to ``bins`` in place and returns it.
+    """
+    size = 1
+    while size < len(bins) + len(rows):
+        size *= 2
+    tree = [cap] * (2 * size)  # tree[1] root; leaves tree[size + b] = room left in bin b
+    for b, room in enumerate(free):
+        tree[size + b] = room
+    for node in range(size - 1, 0, -1):
+        tree[node] = max(tree[2 * node], tree[2 * node + 1])
+    for row, cost in zip(rows, costs):
+        node = 1
+        while node < size:
+            node = 2 * node if tree[2 * node] >= cost else 2 * node + 1
+        b = node - size
+        if b == len(bins):
+            bins.append([])
+        bins[b].append(row)
+        tree[node] -= cost
+        node //= 2
+        while node:
+            tree[node] = max(tree[2 * node], tree[2 * node + 1])
+            node //= 2
+    return bins
+
+
+def _modified_first_fit(order: list[int], costs: list[int], cap: int) -> list[list[int]]:
+    """Johnson and Garey's modified first fit decreasing over rows sorted longest first.
+
+    Rows are classed by cost: large (> cap/2), medium (> cap/3), small (> cap/6), tiny.
+    1. Each large row opens its own bin (longest first).
+    2. Forward through the large bins: each takes the longest remaining medium row that fits.
+    3. Backward through the large bins that took no medium row: when the two shortest remaining
+       small rows fit together, the bin takes the shortest, then the longest small row that
+       still fits.
+    4. The remaining rows, longest first, go by first fit over all bins (large bins first).
+    Steps 2-3 fill each large bin's gap with the rows that fit it best, which plain FFD leaves to
+    whichever row comes next in length order.
+    """
+    large = [k for k, c in enumerate(costs) if 2 * c > cap]
+    medium = [k for k, c in enumerate(costs) if 3 * c > cap >= 2 * c]
+    small = [k for k, c in enumerate(costs) if 6 * c > cap >= 3 * c]
+    bins = [[order[k]] for k in large]
+    free = [cap - costs[k] for k in large]
+    used: set[int] = set()
+
+    # Remaining rows of one class, ascending by (cost, -rank): the entry just below a bisect at
+    # (room, inf) is the longest that fits, the earliest in length order among equals.
+    def pool(ks: list[int]) -> list[tuple[int, int]]:
+        return sorted((costs[k], -k) for k in ks)
+
+    mediums = pool(medium)
+    got_medium = [False] * len(bins)
+    for b in range(len(bins)):
+        at = bisect.bisect_right(mediums, (free[b], 0)) - 1
+        if at >= 0:
+            cost, neg = mediums.pop(at)
+            bins[b].append(order[-neg])
+            free[b] -= cost
+            used.add(-neg)
+            got_medium[b] = True
+    smalls = pool(small)
+    for b in reversed(range(len(bins))):
+        if got_medium[b] or len(smalls) < 2 or smalls[0][0] + smalls[1][0] > free[b]:
+            continue
+        shortest = smalls.pop(0)
+        # the (old) second shortest still fits, so the bisect finds a row
+        longest_fit = smalls.pop(bisect.bisect_right(smalls, (free[b] - shortest[0], 0)) - 1)
+        for cost, neg in (shortest, longest_fit):
+            bins[b].append(order[-neg])
+            free[b] -= cost
+            used.add(-neg)
+    rest = [k for k in range(len(order)) if k not in used and 2 * costs[k] <= cap]
+    return _first_fit([order[k] for k in rest], [costs[k] for k in rest], cap, bins, free)
+
+
 def plan_sequence_packing(
     lengths: Sequence[int] | torch.Tensor,
     *,
     max_tokens_per_microbatch: int,
     sequence_length_pad_multiple: int = 1,
+    algorithm: str = "first_fit_decreasing",
 ) -> list[list[int]]:
-    """First-fit-decreasing bin packing of rows into packed microbatches.
+    """Bin packing of rows into packed microbatches, by ``algorithm``.
 
     Each row costs ``round_up(lengths[i], sequence_length_pad_multiple)`` tokens; a bin holds at
-    most ``max_tokens_per_microbatch``. Rows are taken longest first (ties by index) and each goes
-    to the first open bin with room. Returns one list of row indices (into ``lengths``) per bin,
-    bins in the order they were opened, rows in each bin in the order they were placed (longest
-    first). Every row appears exactly once; ``[]`` for no rows. A row whose cost exceeds the
-    budget raises ``ValueError``.
-
-    First fit is found in O(log n) per row with a max-segment-tree over the bins' free space
-    (unopened bins sit to the right with full capacity, so the leftmost fitting leaf is the
-    answer whether or not it is open yet).
+    most ``max_tokens_per_microbatch``. ``"first_fit_decreasing"``: rows are taken longest first
+    (ties by index) and each goes to the first open bin with room; bins in the order they were
+    opened, rows in each bin in the order they were placed (longest first).
+    ``"modified_first_fit_decreasing"``: see :func:`_modified_first_fit`; bins holding a long
+    row (over half the budget) come first. Every row appears exactly once; ``[]`` for no rows.
+    ``ValueError`` for a row whose cost exceeds the budget, or an unknown algorithm.
     """
+    if algorithm not in SEQUENCE_PACKING_ALGORITHMS:
+        raise ValueError(
+            f"algorithm {algorithm!r} is not supported; use one of {list(SEQUENCE_PACKING_ALGORITHMS)}"
+        )
     cap = int(max_tokens_per_microbatch)
     prepared = _prepare(lengths, cap, "sequence_length_pad_multiple", sequence_length_pad_multiple)
     if prepared is None:
         return []
     order_t, costs = prepared
-    n = costs.numel()
     order = order_t.tolist()
     sorted_costs = costs[order_t].tolist()
-
-    size = 1
-    while size < n:
-        size *= 2
-    free = [cap] * (2 * size)  # free[1] root; leaves free[size + b] = room left in bin b
-    bins: list[list[int]] = []
-    for row, cost in zip(order, sorted_costs):
-        node = 1
-        while node < size:
-            node = 2 * node if free[2 * node] >= cost else 2 * node + 1
-        b = node - size
-        if b == len(bins):
-            bins.append([])
-        bins[b].append(row)
-        free[node] -= cost
-        node //= 2
-        while node:
-            left, right = free[2 * node], free[2 * node + 1]
-            free[node] = max(left, right)
-            node //= 2
-    return bins
+    if algorithm == "modified_first_fit_decreasing":
+        return _modified_first_fit(order, sorted_costs, cap)
+    return _first_fit(order, sorted_costs, cap, [], [])
 
 
 def plan_dynamic_batches(
@@ -399,6 +490,7 @@ def plan_microbatches(
             lens,
             max_tokens_per_microbatch=args["max_tokens_per_microbatch"],
             sequence_length_pad_multiple=multiple,
+            algorithm=args["algorithm"],
         )
     else:
         args = validate_dynamic_batching_args(dynamic_batching_args)  # type: ignore[arg-type]

@@ -5,9 +5,12 @@ mints a key. Each DP rank gets a ``KVBatchMeta`` naming its rows; with packing i
 microbatch plan its worker must follow, so no rank re-packs locally (local re-packing gives
 ranks different microbatch counts, and the collectives of the step then deadlock).
 
-Rules (each violated one is a ``ValueError`` naming the argument):
+Rules (each violated one is a ``ValueError`` naming the argument, or a ``TypeError`` when the
+argument has the wrong type: ``meta`` not a ``KVBatchMeta``, a non-int ``dp_world`` /
+``batch_size`` / packing budget, non-integer lengths, a packing argument that is not a dict):
 
-* ``meta`` is non-empty and has one ``sequence_lengths`` entry (a non-negative int) per row;
+* ``meta`` is non-empty, its ``sample_ids`` are unique (each key goes to exactly one rank), and
+  it has one ``sequence_lengths`` entry (a non-negative int) and, when tagged, one tag per row;
 * ``dp_world >= 1``;
 * at most one of ``sequence_packing_args`` / ``dynamic_batching_args``;
 * ``batch_size`` (default ``meta.size``) is the global batch: ``meta.size`` must be a multiple of
@@ -68,7 +71,12 @@ _PLAN_KEYS = (MICRO_BATCH_INDICES, MICRO_BATCH_LENGTHS, ELEM_COUNTS_PER_GB)
 
 
 def _check_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"shard_meta_for_dp: {name} must be a positive int, got {type(value).__name__} "
+            f"{value!r}"
+        )
+    if value < 1:
         raise ValueError(f"shard_meta_for_dp: {name} must be a positive int, got {value!r}")
     return int(value)
 
@@ -81,9 +89,7 @@ def _validate(
     dynamic_batching_args: Mapping[str, Any] | None,
 ) -> tuple[torch.Tensor, int, int]:
     if not isinstance(meta, KVBatchMeta):
-        raise TypeError(
-            f"shard_meta_for_dp: meta must be a KVBatchMeta, got {type(meta).__name__}"
-        )
+        raise TypeError(f"shard_meta_for_dp: meta must be a KVBatchMeta, got {type(meta).__name__}")
     if meta.size == 0:
         raise ValueError("shard_meta_for_dp: meta is empty (no sample_ids to shard)")
     if meta.sequence_lengths is None:
@@ -95,6 +101,17 @@ def _validate(
         raise ValueError(
             f"shard_meta_for_dp: meta.sequence_lengths has {len(meta.sequence_lengths)} entries "
             f"for {meta.size} sample_ids"
+        )
+    if meta.tags is not None and len(meta.tags) != meta.size:
+        raise ValueError(
+            f"shard_meta_for_dp: meta.tags has {len(meta.tags)} entries for {meta.size} sample_ids"
+        )
+    if len(set(meta.sample_ids)) != meta.size:
+        seen: set[str] = set()
+        dups = sorted({s for s in meta.sample_ids if s in seen or seen.add(s)})  # type: ignore[func-returns-value]
+        raise ValueError(
+            f"shard_meta_for_dp: meta.sample_ids must be unique (a key goes to one rank); "
+            f"duplicated: {dups[:5]}"
         )
     lengths = as_lengths(meta.sequence_lengths, name="meta.sequence_lengths")
     if sequence_packing_args is not None and dynamic_batching_args is not None:
