@@ -55,6 +55,8 @@ def _populated() -> LocalDataPlane:
     s.put_samples(["c0", "c1"], "closed", {"ids": torch.arange(6).reshape(2, 3),
                                            "mask": torch.tensor([True, False])})
     s.register_partition("empty", ["x"], consumer_tasks=["train"])
+    s.register_partition("hollow", [])  # a jagged column whose rows are all empty
+    s.put_samples(["h0", "h1"], "hollow", {"j": _ragged([0, 0], torch.float32, 3)})
     return s
 
 
@@ -340,3 +342,23 @@ def test_metadata_round_trips_and_is_validated_like_tags(tmp_path: Path) -> None
     with pytest.raises(TypeError, match=r"save: metadata\['when'\] is a tuple"):
         save_store(s, tmp_path / "ck2", metadata={"when": (1, 2)})
     assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
+def test_each_restored_row_lands_whole_in_one_put(tmp_path: Path) -> None:
+    puts: list[tuple[list[str], list[str]]] = []
+
+    class Recording(LocalDataPlane):
+        def put_samples(self, sample_ids: Any, partition_id: str, fields: Any = None,
+                        tags: Any = None) -> Any:
+            if fields is not None:
+                puts.append((list(sample_ids), sorted(fields)))
+            return super().put_samples(sample_ids, partition_id, fields, tags)
+
+    s = LocalDataPlane()
+    s.register_partition("p", [])
+    s.put_samples(["a", "b", "c"], "p", {"x": torch.ones(3), "j": _ragged([1, 2, 3], torch.int32)})
+    s.put_samples(["b"], "p", {"y": torch.zeros(1, 2)})  # a write-back for one row
+    s.save(tmp_path / "ck")
+    load_into(Recording(), tmp_path / "ck")
+    held = {"a": ["j", "x"], "b": ["j", "x", "y"], "c": ["j", "x"]}
+    assert sorted(puts) == [(["a", "c"], held["a"]), (["b"], held["b"])]

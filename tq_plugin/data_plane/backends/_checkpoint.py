@@ -46,7 +46,9 @@ from safetensors.torch import _TYPES as _SAFETENSORS_DTYPES
 from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
 
+from tq_plugin.data_plane.backends._columns import gather_rows
 from tq_plugin.data_plane.client import call_dp
+from tq_plugin.data_plane.column_io import nested_from_lengths
 
 if TYPE_CHECKING:
     from tq_plugin.data_plane.backends.local import LocalDataPlane
@@ -438,20 +440,47 @@ def read_checkpoint(path: str | os.PathLike[str]) -> tuple[list[_LoadedPartition
 
 
 # ---------------------------------------------------------------------- restore (load side)
-def _field_payload(f: _FieldEntry, key: str, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    if f.kind == "dense":
-        return tensors[f"{key}.data"]
-    lengths = tensors[f"{key}.lengths"]
-    offsets = torch.zeros(lengths.shape[0] + 1, dtype=torch.int64)
-    torch.cumsum(lengths, 0, out=offsets[1:])
-    return torch.nested.nested_tensor_from_jagged(tensors[f"{key}.values"], offsets)
+def _row_groups(lp: _LoadedPartition) -> list[tuple[list[str], dict[str, torch.Tensor]]]:
+    """Rows grouped by the set of fields they hold, each group with its fields' payloads.
+
+    One put per group lands each row whole (in the common case, one put for the partition).
+    """
+    e, tensors = lp.entry, lp.tensors
+    n = len(e.sample_ids)
+    rows = [tensors[f"{i}.rows"].numpy() for i in range(len(e.fields))]
+    holds = np.zeros((n, len(e.fields)), dtype=bool)
+    for i, r in enumerate(rows):
+        holds[r, i] = True
+    groups: list[tuple[list[str], dict[str, torch.Tensor]]] = []
+    if not n or not e.fields:
+        return groups
+    signatures, inverse = np.unique(holds, axis=0, return_inverse=True)
+    for g, signature in enumerate(signatures):
+        members = np.flatnonzero(inverse.reshape(-1) == g)
+        if not signature.any():
+            continue
+        fields: dict[str, torch.Tensor] = {}
+        for i in np.flatnonzero(signature).tolist():
+            f = e.fields[i]
+            order = np.argsort(rows[i], kind="stable")
+            pos = order[np.searchsorted(rows[i], members, sorter=order)]
+            if f.kind == "dense":
+                fields[f.name] = tensors[f"{i}.data"][torch.from_numpy(pos)]
+                continue
+            lengths = tensors[f"{i}.lengths"].numpy()
+            starts = np.cumsum(lengths) - lengths
+            values = gather_rows(tensors[f"{i}.values"], starts[pos], lengths[pos])
+            fields[f.name] = nested_from_lengths(values, torch.from_numpy(lengths[pos]))
+        groups.append(([e.sample_ids[r] for r in members.tolist()], fields))
+    return groups
 
 
 def load_into(client: Any, path: str | os.PathLike[str]) -> Restored:
     """Put a checkpoint's partitions into ``client`` (any ``DataPlaneClient``).
 
     The whole checkpoint is validated before the first write. Rows are re-put in first-put
-    order (so claims keep their order) and revalidated by ``put_samples``; rows with the same
+    order (so claims keep their order), each row's fields in one put, revalidated by
+    ``put_samples``; rows with the same
     id are overwritten, other rows of the client are left alone. Claims are restored when the
     client is a ``LocalDataPlane``; another backend gets the rows and a warning.
     """
@@ -475,12 +504,9 @@ def load_into(client: Any, path: str | os.PathLike[str]) -> Restored:
             tags = [e.tags.get(s, {}) for s in e.sample_ids]
             call_dp(client, "put_samples", sample_ids=e.sample_ids, partition_id=e.partition_id,
                     fields=None, tags=tags)
-        for i, f in enumerate(e.fields):
-            key = str(i)
-            ids = [e.sample_ids[r] for r in lp.tensors[f"{key}.rows"].tolist()]
-            if ids:
-                call_dp(client, "put_samples", sample_ids=ids, partition_id=e.partition_id,
-                        fields={f.name: _field_payload(f, key, lp.tensors)})
+        for ids, fields in _row_groups(lp):
+            call_dp(client, "put_samples", sample_ids=ids, partition_id=e.partition_id,
+                    fields=fields)
         claimed = {t: c for t, c in e.consumed.items() if c}
         if not claimed:
             continue

@@ -450,11 +450,14 @@ class LocalDataPlane(TaskCursors):
             }
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, path: str) -> None:
-        """Checkpoint every partition to the directory ``path`` (atomic; no pickle)."""
+    def save(self, path: str, *, metadata: Mapping[str, Any] | None = None) -> None:
+        """Checkpoint every partition (and JSON ``metadata``) to the directory ``path``.
+
+        Atomic, no pickle; ``_checkpoint`` describes the format.
+        """
         from tq_plugin.data_plane.backends._checkpoint import save_store
 
-        save_store(self, path)  # copies the rows under self._lock, writes outside it
+        save_store(self, path, metadata=metadata)  # copies under self._lock, writes outside it
 
     @classmethod
     def load(cls, path: str) -> LocalDataPlane:
