@@ -3,6 +3,8 @@
     tq-train                                   # PPO, embedded backend, sequence packing
     tq-train recipe=grpo tq/packing=dynamic_batching
     tq-train tq/staging=media                  # the policy reads its prompt from staged pixels
+    tq-train trainer=ddp_cpu                   # 2 CPU ranks (DDP, gloo), same global batch
+    tq-train ckpt_path=outputs/.../checkpoints/sigterm.ckpt   # resume to recipe.num_steps
     tq-train -m tq/packing=none,sequence_packing,dynamic_batching tq.packing.train_mb_tokens=256,1024
 
 Results go to Hydra's output dir (``metrics.csv``, ``resolved_config.yaml``, ``reward_curve.png``,
@@ -45,6 +47,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     recipe.setup()
     recipe.train()
     summary = recipe.cleanup()
+    if summary is None:  # a DDP rank other than 0: rank 0 reports the run
+        return {}
     backend = cfg.tq.backend._target_.rsplit(".", 1)[-1]
     print(f"\n[tq_plugin] {cfg.recipe.algorithm} on {backend}, packing={summary['packing']}, "
           f"results in {output_dir()}\n{format_summary(summary)}", flush=True)

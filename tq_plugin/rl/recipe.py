@@ -12,20 +12,34 @@ Each RL step (``prepare_step``), inside the fit's dataloader:
    per ``ppo_epochs``; the module reads each microbatch's columns through ``MetaBatchMixin``.
 
 ``DataPlaneCallback`` owns the client (built from ``tq.backend``), meters what crosses it and
-clears each step's rows after its last microbatch.
+clears each step's rows after its last microbatch. ``RLStepCallback`` carries each step's loss
+normalizer and rollout metrics from the step meta to the module and the metrics on every rank,
+reduces the metrics over ranks and writes the artifacts on rank 0; it checkpoints the rollout
+generator and the finished steps' metrics, so ``ckpt_path=...`` resumes a run to
+``recipe.num_steps``. SIGTERM saves ``checkpoints/sigterm.ckpt`` and exits with status 143.
+
+Under DDP (``trainer=ddp_cpu``) each rank trains on its length-balanced shard of the same global
+batch one process would train on; ``tq_plugin.rl.ranks`` says how the step is split per backend.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+import signal
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from omegaconf import DictConfig
+from typing_extensions import override
 
 from tq_plugin.config import PackingConfig, RecipeConfig, validate_config
 from tq_plugin.data_plane import (
@@ -40,9 +54,10 @@ from tq_plugin.data_plane import (
     VALUES,
     KVBatchMeta,
 )
-from tq_plugin.lightning import DataPlaneCallback, MetaDataModule
+from tq_plugin.lightning import MICROBATCH_INFO, DataPlaneCallback, MetaDataModule
+from tq_plugin.rl import ranks
 from tq_plugin.rl.advantages import gae, group_relative, turn_end_rewards, whiten
-from tq_plugin.rl.metrics import MetricsLog
+from tq_plugin.rl.metrics import RESULT_FILE, MetricsLog, _Step
 from tq_plugin.rl.module import RLModule
 from tq_plugin.rl.rollout import RolloutWorker
 from tq_plugin.rl.task import IMG, PAD
@@ -50,6 +65,11 @@ from tq_plugin.staging import RolloutReassembler
 
 log = logging.getLogger(__name__)
 TURN_REWARDS = "turn_rewards"
+# extra_info key of a step meta: what every rank needs of the step besides its rows (the loss
+# normalizer, the rollout metrics). It rides the meta, so a broadcast step meta carries it too.
+RL_STEP = "rl_step"
+SIGTERM_EXIT = 128 + signal.SIGTERM
+_info_rank_zero = rank_zero_only(log.info)
 
 
 class RLRecipe:
@@ -74,6 +94,10 @@ class RLRecipe:
             torch.set_num_threads(self.rc.num_threads)
         torch.manual_seed(self.rc.seed)
         self.task = instantiate(self.cfg.task, media=self.media, seed=self.rc.seed)
+        # One rollout stream for the run, the same on every rank (see tq_plugin.rl.ranks).
+        self.generator = torch.Generator().manual_seed(self.rc.seed + 1009)
+        self.step_rng_state = self.generator.get_state()
+        self.summary: dict[str, Any] | None = None
         self._setup_models()
         self._setup_trainer()
         self.metrics = MetricsLog(self.output_dir, packing=self.packing.mode)
@@ -97,28 +121,45 @@ class RLRecipe:
             self.cfg.tq.backend, role="policy",
             partitions=[{"partition_id": self.rc.train_partition, "fields": []}],
         )
+        self.step_callback = RLStepCallback(self)
+        self.sigterm_checkpoint = self.output_dir / "checkpoints" / "sigterm.ckpt"
         max_steps = self.rc.num_steps * self.rc.ppo_epochs * self.rc.minibatches
         extra = {}
         if self.cfg.trainer.get("logger") is True:  # CSV under the output dir, no tensorboard needed
             from lightning.pytorch.loggers import CSVLogger
 
             extra["logger"] = CSVLogger(str(self.output_dir), name="lightning_logs")
+        callbacks = [self.callback, self.step_callback,
+                     SigtermCheckpoint(self.sigterm_checkpoint)]
         self.trainer = instantiate(self.cfg.trainer, max_steps=max_steps,
                                    default_root_dir=str(self.output_dir),
-                                   callbacks=[self.callback], **extra)
+                                   callbacks=callbacks, **extra)
+        self.global_batch = self.rc.prompts_per_step * self.rc.group_size // self.rc.minibatches
+        backend_cls = get_class(self.cfg.tq.backend._target_)
+        ranks.check_parallel_run(self.trainer, backend_cls=backend_cls,
+                                 global_batch=self.global_batch,
+                                 save_artifacts=self.rc.save_artifacts)
+        self.world_size = self.trainer.world_size
+        shared = ranks.shared_across_ranks(backend_cls)
+        if self.world_size > 1:
+            rank_zero_info(
+                f"[tq_plugin] {self.world_size} DDP ranks: "
+                + ("rank 0 generates each step into the shared store" if shared else
+                   "every rank replays each step's rollouts into its embedded store")
+                + "; each rank trains on a length-balanced shard of the global batch")
         self.datamodule = MetaDataModule(
-            lambda step, client: self.prepare_step(step),
+            self.prepare_step,
             num_steps=self.rc.num_steps, fields=self.module.train_fields, task_name="train",
             role="policy", epochs_per_step=self.rc.ppo_epochs,
-            global_batch_size=self.rc.prompts_per_step * self.rc.group_size // self.rc.minibatches,
+            global_batch_size=self.global_batch,
             micro_batch_size=self.packing.micro_batch_size,
+            rows="shared" if shared else "local",
         )
+        self.replicated = not shared and self.world_size > 1
 
     def _setup_data_path(self) -> None:
         """Staging sink, rollout worker and reassembler, on the client the callback built."""
         client = self.module.dp_client
-        # Under DDP every rank generates its own rollouts: give each rank its own stream.
-        self.generator = torch.Generator().manual_seed(self.rc.seed + 1009 * self.trainer.global_rank)
         self.sink = instantiate(self.cfg.tq.staging)(client)
         self.worker = RolloutWorker(task=self.task, sink=self.sink, temperature=self.rc.temperature,
                                     max_new_tokens=self.rc.max_new_tokens)
@@ -127,16 +168,21 @@ class RLRecipe:
                                               clear_staged=True)
 
     # ------------------------------------------------------------------ one RL step
-    def prepare_step(self, step: int) -> KVBatchMeta:
-        """Rollouts → staged calls → verified training rows → logprobs, values, advantages."""
+    def prepare_step(self, step: int, client: Any = None) -> KVBatchMeta:
+        """Rollouts → staged calls → verified training rows → logprobs, values, advantages.
+
+        The step source of the ``MetaDataModule`` (a bound method, so it pickles for
+        ``ddp_spawn``). Returns the step meta, or under DDP on the embedded store this rank's
+        shard of it.
+        """
         if self.worker is None:
             self._setup_data_path()
         m = self.module
+        self.step_rng_state = self.generator.get_state()  # a resumed step replays from here
         t0 = time.perf_counter()
         batch = self.worker.run(m.policy, step=step, prompts=self.rc.prompts_per_step,
                                 group_size=self.rc.group_size, generator=self.generator)
         t1 = time.perf_counter()
-        m.current_reward = float(batch.rewards.mean())
         meta = self.reassembler.finalize_group(batch.receipts, partition_id=self.rc.train_partition)
         m.write_to_dataplane(meta, {TURN_REWARDS: batch.turn_scores / self.task.turns})
         m.forward_pass(meta, role="policy", step=step)
@@ -144,12 +190,16 @@ class RLRecipe:
             m.forward_pass(meta, role="value", step=step)
         self._write_advantages(meta)
         actions, lp_gap = self._check_rows(meta)
-        # Loss normalizer: a global batch's action tokens (the same under every packing mode).
-        m.loss_norm = max(1, actions // self.rc.minibatches)
-        self.metrics.on_step_ready(step, rewards=batch.rewards, turn_scores=batch.turn_scores,
-                                   rollout_s=t1 - t0, prepare_s=time.perf_counter() - t1,
-                                   failed_calls=batch.failed_calls, lp_gap=lp_gap,
-                                   dp=m.dp_client.snapshot() if hasattr(m.dp_client, "snapshot") else None)
+        meta.extra_info[RL_STEP] = {
+            # Loss normalizer: a global batch's action tokens (the same under every packing mode).
+            "loss_norm": max(1, actions // self.rc.minibatches),
+            "rewards": batch.rewards, "turn_scores": batch.turn_scores, "rollout_s": t1 - t0,
+            "prepare_s": time.perf_counter() - t1, "failed_calls": batch.failed_calls,
+            "lp_gap": lp_gap,
+        }
+        if self.replicated:
+            meta = ranks.replica_shard(meta, m.dp_client, strategy=self.trainer.strategy,
+                                       global_batch=self.global_batch)
         return meta
 
     def _check_rows(self, meta: KVBatchMeta) -> tuple[int, float]:
@@ -180,10 +230,121 @@ class RLRecipe:
 
     # ------------------------------------------------------------------ train / cleanup
     def train(self) -> None:
-        self.trainer.fit(self.module, datamodule=self.datamodule)
+        """Fit to ``recipe.num_steps``, from ``ckpt_path`` when the config names one.
 
-    def cleanup(self) -> dict[str, Any]:
-        """Write the artifacts and return the run's summary."""
+        SIGTERM (Lightning raises ``SIGTERMException`` after the batch in flight) saves
+        ``checkpoints/sigterm.ckpt`` and exits with status 143, never 0.
+        """
+        ckpt_path = self.cfg.get("ckpt_path")
+        try:
+            self.trainer.fit(self.module, datamodule=self.datamodule, ckpt_path=ckpt_path)
+        except SIGTERMException:
+            log.error("SIGTERM: resume with ckpt_path=%s", self.sigterm_checkpoint)
+            raise SystemExit(SIGTERM_EXIT) from None
+
+    def cleanup(self) -> dict[str, Any] | None:
+        """The run's summary where rank 0's results are (rank 0, or the process that spawned
+        the ranks, which reads ``result.json``); ``None`` on the other ranks."""
+        if self.summary is not None or not self.trainer.is_global_zero:
+            return self.summary
+        return json.loads((self.output_dir / RESULT_FILE).read_text())
+
+    def write_artifacts(self, trainer: Trainer) -> None:
+        """Reduce every rank's step metrics; rank 0 writes metrics.csv, result.json, the plot."""
+        total = self._dp_bytes()
+        self.metrics.finish(self.cfg, total, save=False)  # closes this rank's last step
+        per_rank = ranks.gather_objects((self.metrics.steps, total), trainer.world_size)
+        if not trainer.is_global_zero:
+            return
+        self.metrics.steps = ranks.merge_rank_steps([steps for steps, _ in per_rank])
+        self.summary = self.metrics.summary(sum(t for _, t in per_rank))
+        if self.rc.save_artifacts:
+            self.metrics.write(self.cfg, self.summary)
+
+    def _dp_bytes(self) -> int:
         counters = self.callback.client.snapshot() if self.callback.client is not None else None
-        total = 0 if counters is None else int(counters.bytes_read + counters.bytes_written)
-        return self.metrics.finish(self.cfg, total, save=self.rc.save_artifacts)
+        return 0 if counters is None else int(counters.bytes_read + counters.bytes_written)
+
+
+class RLStepCallback(Callback):
+    """The recipe's per-step bookkeeping inside the fit, on every rank.
+
+    * ``on_train_batch_start``: from the microbatch's step meta (``RL_STEP``), set the module's
+      loss normalizer (divided by the world size: DDP averages gradients over ranks) and, at a
+      step's first microbatch, start the step's metrics record.
+    * ``on_train_end``: reduce the metrics over ranks; rank 0 writes the artifacts.
+    * ``on_exception`` (SIGTERM, one process): write the finished steps' artifacts.
+    * checkpoint state: the rollout generator at the start of the step in flight and the
+      finished steps' metrics, so a resumed run replays that step and reports every step.
+    """
+
+    def __init__(self, recipe: RLRecipe) -> None:
+        self.recipe = recipe
+        self.step: int | None = None
+        self.steps_trained = 0
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        meta = pl_module.dp_meta
+        info = meta.extra_info[MICROBATCH_INFO]
+        rl = meta.extra_info[RL_STEP]
+        pl_module.loss_norm = rl["loss_norm"] / trainer.world_size
+        pl_module.current_reward = float(rl["rewards"].mean())
+        if info["step"] == self.step:
+            return
+        self.step = info["step"]
+        self.steps_trained += 1
+        client = pl_module.dp_client
+        self.recipe.metrics.on_step_ready(
+            self.step, rewards=rl["rewards"], turn_scores=rl["turn_scores"],
+            rollout_s=rl["rollout_s"], prepare_s=rl["prepare_s"], failed_calls=rl["failed_calls"],
+            lp_gap=rl["lp_gap"], dp=client.snapshot() if hasattr(client, "snapshot") else None)
+        _info_rank_zero("RL step %d: reward %.3f", self.step, pl_module.current_reward)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.world_size > 1:
+            print(f"[tq_plugin] rank {trainer.global_rank}/{trainer.world_size}: "
+                  f"{self.steps_trained} RL steps, {trainer.global_step} optimizer steps", flush=True)
+        self.recipe.write_artifacts(trainer)
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule,
+                     exception: BaseException) -> None:
+        recipe = self.recipe
+        if (isinstance(exception, SIGTERMException) and trainer.world_size == 1
+                and recipe.rc.save_artifacts):
+            recipe.metrics.steps = self._finished_steps()
+            summary = {**recipe.metrics.summary(recipe._dp_bytes()), "status": "interrupted"}
+            recipe.metrics.write(recipe.cfg, summary)
+
+    def _finished_steps(self) -> list[_Step]:
+        done = self.recipe.callback.completed_steps
+        return [s for s in self.recipe.metrics.steps if s.step < done]
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"step_rng_state": self.recipe.step_rng_state,
+                "steps": [dataclasses.asdict(s) for s in self._finished_steps()]}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.recipe.generator.set_state(state_dict["step_rng_state"])
+        self.recipe.metrics.steps = [_Step(**s) for s in state_dict["steps"]]
+
+
+class SigtermCheckpoint(Callback):
+    """Saves a checkpoint when Lightning stops the fit on SIGTERM, as its ``OnExceptionCheckpoint``
+    does on any exception (that one is a ``Checkpoint``, which ``enable_checkpointing=false``
+    refuses). SIGTERM only: Lightning raises it on every rank at the same batch, so the save's
+    barrier is met, while another exception may stop one rank alone."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule,
+                     exception: BaseException) -> None:
+        if isinstance(exception, SIGTERMException):
+            trainer.save_checkpoint(self.path)

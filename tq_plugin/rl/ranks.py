@@ -1,0 +1,123 @@
+"""How the recipes run over several DDP ranks: which runs they accept, and how a step is split.
+
+One RL step under DDP trains on the same global batch as one process would:
+
+* **shared store** (a backend whose class sets ``shared_across_ranks = True``): rank 0 generates
+  the step once and writes it; the step meta is broadcast and each rank reads a length-balanced
+  shard (``MetaDataModule(rows="shared")``).
+* **embedded store** (``tq/backend=local``, one private store per rank): every rank replays the
+  step: same seed, same weights (DDP keeps them identical), hence the same rollouts, rows, values
+  and advantages. :func:`replica_shard` checks that the replicas agree (a mismatch raises instead
+  of training on a wrong batch), keeps this rank's length-balanced shard of every global batch
+  and clears the other rows from the rank's store (``MetaDataModule(rows="local")``).
+  Rollout generation is repeated on every rank, not split; only training is.
+
+Either way DDP averages gradients over ranks, so a rank divides its loss by
+``loss_norm / world_size``: the averaged gradient is then the one-process gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from tq_plugin.data_plane import KVBatchMeta, call_dp
+from tq_plugin.data_plane.sharding import shard_meta_for_dp
+
+# Per-step fields of tq_plugin.rl.metrics' step record, by how ranks combine them; any other
+# field (rewards, timings of the rollout) comes from the step's rollouts, the same on every rank.
+SUMMED = ("real_tokens", "padded_tokens", "microbatches", "dp_bytes")
+MAXED = ("train_s",)
+AVERAGED = ("loss", "clipfrac", "approx_kl", "value_loss")
+PARALLEL_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
+
+
+def check_parallel_run(trainer: Any, *, backend_cls: type, global_batch: int,
+                       save_artifacts: bool) -> None:
+    """Refuse, before anything is built, a trainer setup the recipe cannot run correctly."""
+    strategy = type(trainer.strategy).__name__
+    if strategy not in PARALLEL_STRATEGIES:
+        raise ValueError(f"trainer.strategy: the recipes run on one device or data-parallel "
+                         f"(auto, ddp, ddp_spawn); got {strategy}")
+    accelerator = type(trainer.accelerator).__name__
+    if accelerator != "CPUAccelerator":
+        raise ValueError(
+            f"trainer.accelerator: the recipes run on CPU only for now (got {accelerator}): "
+            "rollout sampling (tq_plugin.rl.generate) and the no-grad logprob/value passes "
+            "(RLModule.forward_pass) keep their tensors on the host")
+    world = trainer.world_size
+    if world == 1:
+        return
+    if global_batch % world:
+        raise ValueError(
+            f"recipe.prompts_per_step * recipe.group_size / recipe.minibatches = {global_batch} "
+            f"rows per global batch must divide evenly over {world} DDP ranks")
+    from tq_plugin.data_plane import LocalDataPlane
+
+    if not (issubclass(backend_cls, LocalDataPlane) or shared_across_ranks(backend_cls)):
+        raise ValueError(
+            f"tq.backend={backend_cls.__name__} cannot be used by {world} DDP ranks: it does not "
+            "declare shared_across_ranks (every rank would build its own store, or write the same "
+            "keys into one). Use tq/backend=local, or run one process (trainer=cpu)")
+    if not save_artifacts and strategy == "DDPStrategy" and trainer.strategy.launcher is not None \
+            and type(trainer.strategy.launcher).__name__ == "_MultiProcessingLauncher":
+        raise ValueError("recipe.save_artifacts=false with trainer.strategy=ddp_spawn: the "
+                         "run's summary only reaches the launching process through result.json")
+
+
+def shared_across_ranks(backend_cls: type) -> bool:
+    """Whether every DDP rank that builds this backend from the same config reaches one store."""
+    return bool(getattr(backend_cls, "shared_across_ranks", False))
+
+
+def replica_shard(meta: KVBatchMeta, client: Any, *, strategy: Any, global_batch: int) -> KVBatchMeta:
+    """This rank's length-balanced shard of a step every rank generated identically.
+
+    The ranks first compare a fingerprint of the step's row lengths: replicas that differ would
+    shard different rows (and plan different microbatch counts, which deadlocks DDP).
+    """
+    lengths = torch.tensor(meta.sequence_lengths, dtype=torch.int64)
+    position = torch.arange(1, len(lengths) + 1, dtype=torch.int64)
+    fingerprint = torch.stack([lengths.sum(), (lengths * position).sum(),
+                               torch.tensor(len(lengths))]).to(strategy.root_device)
+    high = strategy.reduce(fingerprint.clone(), reduce_op="max")
+    low = -strategy.reduce(-fingerprint, reduce_op="max")
+    if not torch.equal(high, low):
+        raise RuntimeError(
+            "DDP ranks generated different rollouts for one step (row lengths differ): with "
+            "tq/backend=local every rank must replay the same step (same recipe.seed, same "
+            "weights, same torch build and threads)")
+    shards, _ = shard_meta_for_dp(meta, dp_world=strategy.world_size, batch_size=global_batch)
+    mine = shards[strategy.global_rank]
+    others = sorted(set(meta.sample_ids) - set(mine.sample_ids))
+    if others:
+        call_dp(client, "clear_samples", sample_ids=others, partition_id=meta.partition_id)
+    return mine
+
+
+def gather_objects(obj: Any, world: int) -> list[Any]:
+    """``obj`` from every rank, in rank order (one rank: ``[obj]``)."""
+    if world == 1 or not torch.distributed.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * world
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def merge_rank_steps(per_rank: list[list[Any]]) -> list[Any]:
+    """One step record per RL step from every rank's records of that step."""
+    merged = []
+    for records in zip(*per_rank, strict=True):
+        if len({r.step for r in records}) != 1:
+            raise RuntimeError(f"ranks trained different RL steps: {[r.step for r in records]}")
+        values: dict[str, Any] = {}
+        for name in SUMMED:
+            values[name] = sum(getattr(r, name) for r in records)
+        for name in MAXED:
+            values[name] = max(getattr(r, name) for r in records)
+        for name in AVERAGED:
+            values[name] = sum(getattr(r, name) for r in records) / len(records)
+        merged.append(dataclasses.replace(records[0], **values))
+    return merged
