@@ -7,7 +7,12 @@ Layering is one-way: column I/O, packing and sharding talk to a backend only thr
 from tq_plugin.data_plane import schema as _schema
 from tq_plugin.data_plane.backends.local import LocalDataPlane
 from tq_plugin.data_plane.backends.ray_actor import RayDataPlane  # imports Ray only when built
-from tq_plugin.data_plane.client import DataPlaneClient, DataPlaneClosedError, call_dp
+from tq_plugin.data_plane.client import (
+    CapacityError,
+    DataPlaneClient,
+    DataPlaneClosedError,
+    call_dp,
+)
 from tq_plugin.data_plane.column_io import (
     first_write,
     jaggedize,
@@ -31,6 +36,7 @@ from tq_plugin.data_plane.schema import *  # the field-name constants are API
 from tq_plugin.data_plane.sharding import shard_meta_for_dp
 
 __all__ = [  # noqa: PLE0604
+    "CapacityError",
     "DataPlaneClient",
     "DataPlaneClosedError",
     "KVBatchMeta",

@@ -7,6 +7,7 @@ handle. Only an adapter module imports Ray or transferqueue.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -24,6 +25,11 @@ class DataPlaneClosedError(RuntimeError):
     """An operation reached a client after ``close()``."""
 
 
+class CapacityError(RuntimeError):
+    """A put would pass the store's capacity (``capacity_bytes``, or a partition's
+    ``num_samples``); nothing was written."""
+
+
 @runtime_checkable
 class DataPlaneClient(Protocol):
     """Keyed columnar store: one row per sample id, one column per field, per partition.
@@ -33,7 +39,10 @@ class DataPlaneClient(Protocol):
     * ``put_samples`` is atomic: every row and every field of the put lands, or none does.
     * ``get_samples`` returns exactly the requested rows, in request order, or raises
       ``KeyError`` naming what is missing: never a short read.
-    * A field keeps one dtype and per-row rank while it has live rows.
+    * ``put_samples(mode="insert")`` refuses ids already held, ``mode="update"`` ids not held
+      (a mistyped id never mints a row); the default ``"upsert"`` does both.
+    * A field keeps one dtype, per-row rank and trailing dims while it has live rows; rows whose
+      first dim differs turn a dense column jagged, losslessly.
     * ``clear_samples`` is idempotent; ``close`` is idempotent and ends every other operation.
     """
 
@@ -55,17 +64,65 @@ class DataPlaneClient(Protocol):
         partition_id: str,
         fields: FieldsLike | None = None,
         tags: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        mode: str = "upsert",
     ) -> KVBatchMeta: ...
 
     def get_samples(
         self, sample_ids: Sequence[str], partition_id: str, select_fields: Sequence[str]
     ) -> TensorDictBase: ...
 
+    def claim_meta(
+        self,
+        partition_id: str,
+        task_name: str,
+        required_fields: Sequence[str],
+        batch_size: int,
+        dp_rank: int | None = None,
+        blocking: bool = True,
+        timeout_s: float = 60.0,
+    ) -> KVBatchMeta: ...
+
+    def get_data(
+        self, meta: KVBatchMeta, select_fields: Sequence[str] | None = None
+    ) -> TensorDictBase: ...
+
+    def check_consumption_status(self, partition_id: str, task_names: Sequence[str]) -> bool: ...
+
     def clear_samples(self, sample_ids: Sequence[str] | None, partition_id: str) -> None: ...
 
     def list_sample_ids(self, partition_id: str) -> list[str]: ...
 
     def close(self) -> None: ...
+
+
+# The protocol's methods, spelled out once: wrappers (metering, fault injection, remote actors)
+# derive their forwarding from this table and ``bind_keywords``, never re-spell the signatures.
+CLIENT_METHODS = (
+    "register_partition",
+    "put_samples",
+    "get_samples",
+    "claim_meta",
+    "get_data",
+    "check_consumption_status",
+    "clear_samples",
+    "list_sample_ids",
+    "close",
+)
+_SIGNATURES = {name: inspect.signature(getattr(DataPlaneClient, name)) for name in CLIENT_METHODS}
+
+
+def bind_keywords(method_name: str, args: tuple, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """A protocol call's arguments as keywords (positional ones named by the protocol).
+
+    Raises ``TypeError`` for an unknown method or arguments the protocol does not take.
+    """
+    sig = _SIGNATURES.get(method_name)
+    if sig is None:
+        raise TypeError(f"{method_name!r} is not a DataPlaneClient method ({', '.join(CLIENT_METHODS)})")
+    bound = sig.bind(None, *args, **kwargs)
+    bound.arguments.pop("self")
+    return dict(bound.arguments)
 
 
 def call_dp(client: Any, method_name: str, **kwargs: Any) -> Any:

@@ -1,22 +1,19 @@
 """``MeteredClient``: counts what crosses the data-plane boundary (bytes, rows, calls, time).
 
 A thin wrapper in front of any ``DataPlaneClient`` (local object or Ray actor handle, reached
-through ``call_dp``). The counters only ever grow; a reader takes deltas between two
-``snapshot()`` calls, which is how the callback logs per-step figures.
+through ``call_dp``). It forwards every protocol method (``CLIENT_METHODS``), claims included, by
+keyword; nothing re-spells the protocol. The counters only ever grow; a reader takes deltas
+between two ``snapshot()`` calls, which is how the callback logs per-step figures.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from tensordict import TensorDictBase
-
-from tq_plugin.data_plane.client import call_dp
+from tq_plugin.data_plane.client import CLIENT_METHODS, bind_keywords, call_dp
 from tq_plugin.data_plane.column_io import payload_bytes
-from tq_plugin.data_plane.meta import KVBatchMeta
 
 
 @dataclass
@@ -34,7 +31,7 @@ class DataPlaneCounters:
 
 
 class MeteredClient:
-    """A ``DataPlaneClient`` that forwards every call and meters it."""
+    """A ``DataPlaneClient`` that forwards every protocol call and meters it."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -43,77 +40,32 @@ class MeteredClient:
     def snapshot(self) -> DataPlaneCounters:
         return DataPlaneCounters(**asdict(self.counters))
 
-    def _timed(self, method: str, **kwargs: Any) -> Any:
+    def _call(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+        kw = bind_keywords(method, args, kwargs)
+        if method == "close":
+            return call_dp(self.inner, "close")
         start = time.perf_counter()
         try:
-            return call_dp(self.inner, method, **kwargs)
+            out = call_dp(self.inner, method, **kw)
         finally:
             self.counters.calls += 1
             self.counters.seconds += time.perf_counter() - start
-
-    def register_partition(
-        self,
-        partition_id: str,
-        fields: Sequence[str],
-        num_samples: int | None = None,
-        consumer_tasks: Sequence[str] | None = None,
-        grpo_group_size: int | None = None,
-        enums: Mapping[str, Sequence[str]] | None = None,
-        *,
-        jagged_fields: Sequence[str] | None = None,
-    ) -> None:
-        self._timed(
-            "register_partition",
-            partition_id=partition_id,
-            fields=fields,
-            num_samples=num_samples,
-            consumer_tasks=consumer_tasks,
-            grpo_group_size=grpo_group_size,
-            enums=enums,
-            jagged_fields=jagged_fields,
-        )
-
-    def put_samples(
-        self,
-        sample_ids: Sequence[str],
-        partition_id: str,
-        fields: Any = None,
-        tags: Sequence[Mapping[str, Any]] | None = None,
-    ) -> KVBatchMeta:
-        meta = self._timed(
-            "put_samples", sample_ids=sample_ids, partition_id=partition_id, fields=fields, tags=tags
-        )
-        self.counters.rows_written += len(sample_ids)
-        self.counters.bytes_written += payload_bytes(fields)
-        return meta
-
-    def get_samples(
-        self, sample_ids: Sequence[str], partition_id: str, select_fields: Sequence[str]
-    ) -> TensorDictBase:
-        td = self._timed(
-            "get_samples",
-            sample_ids=sample_ids,
-            partition_id=partition_id,
-            select_fields=select_fields,
-        )
-        self.counters.rows_read += len(sample_ids)
-        self.counters.bytes_read += payload_bytes(td)
-        return td
-
-    def clear_samples(self, sample_ids: Sequence[str] | None, partition_id: str) -> None:
-        self._timed("clear_samples", sample_ids=sample_ids, partition_id=partition_id)
-        if sample_ids is not None:
-            self.counters.rows_cleared += len(sample_ids)
-
-    def list_sample_ids(self, partition_id: str) -> list[str]:
-        return self._timed("list_sample_ids", partition_id=partition_id)
-
-    def close(self) -> None:
-        call_dp(self.inner, "close")
+        c = self.counters
+        if method == "put_samples":
+            c.rows_written += len(kw["sample_ids"])
+            c.bytes_written += payload_bytes(kw.get("fields"))
+        elif method in ("get_samples", "get_data"):
+            c.rows_read += int(out.batch_size[0]) if out.batch_size else 0
+            c.bytes_read += payload_bytes(out)
+        elif method == "clear_samples" and kw["sample_ids"] is not None:
+            c.rows_cleared += len(kw["sample_ids"])
+        return out
 
     def __getattr__(self, name: str) -> Any:
-        # Backend extras (get_tags, stats, ...) pass through unmetered.
         inner = self.__dict__.get("inner")
-        if inner is None:
+        if inner is None or name.startswith("__"):
             raise AttributeError(name)
+        if name in CLIENT_METHODS:
+            return lambda *args, **kwargs: self._call(name, args, kwargs)
+        # Backend extras (get_tags, stats, shared, ...) pass through unmetered.
         return getattr(inner, name)

@@ -7,6 +7,7 @@ Mixed into ``LocalDataPlane``, whose lock, condition and partitions it uses.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import numpy as np
 from tensordict import TensorDict
 
+from tq_plugin.data_plane.backends._validate import copy_tag, str_list
 from tq_plugin.data_plane.meta import KVBatchMeta
 from tq_plugin.data_plane.schema import INPUT_LENGTHS
 
@@ -42,9 +44,11 @@ class TaskCursors:
         raises ``TimeoutError`` after ``timeout_s``; non-blocking returns an empty meta.
         ``dp_rank`` is accepted for interface parity and ignored (one process, one cursor).
         """
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int):
+            raise TypeError(f"claim_meta: batch_size must be an int, got {batch_size!r}")
         if batch_size < 1:
             raise ValueError(f"claim_meta: batch_size must be >= 1, got {batch_size}")
-        required = list(required_fields)
+        required = str_list(required_fields, "claim_meta", "required_fields")
         deadline = time.monotonic() + max(0.0, timeout_s)
         with self._produced:
             while True:
@@ -66,8 +70,11 @@ class TaskCursors:
                     )
                 self._produced.wait(left)
             part.consumed[task_name].update(ids)
+            pending = part.pending[task_name]
+            for s in ids:
+                del pending[s]
             lengths = self._column_ints(part, INPUT_LENGTHS, ids)
-            tags = [dict(part.tags.get(s, {})) for s in ids]
+            tags = [copy_tag(part.tags.get(s, {})) for s in ids]
         return KVBatchMeta(
             partition_id=partition_id,
             task_name=task_name,
@@ -77,23 +84,33 @@ class TaskCursors:
             tags=tags,
         )
 
-    def _ready(self, part: Any, task: str, required: list[str], limit: int) -> list[str]:
-        claimed = part.consumed[task]
-        candidates = [s for s in part.slot_of if s not in claimed]
-        if len(candidates) > 1:
-            first_put = part.arrival[[part.slot_of[s] for s in candidates]]
-            candidates = [candidates[i] for i in np.argsort(first_put, kind="stable").tolist()]
-        if not candidates or not required:
-            return candidates[:limit]
-        slots = np.array([part.slot_of[s] for s in candidates], dtype=np.int64)
-        ready = np.ones(len(candidates), dtype=bool)
-        for name in required:
-            col = part.columns.get(name)
-            if col is None:
-                return []
-            ready &= col.has(slots)
-        picked = np.flatnonzero(ready)[:limit].tolist()
-        return [candidates[i] for i in picked]
+    @staticmethod
+    def _ready(part: Any, task: str, required: list[str], limit: int) -> list[str]:
+        """Up to ``limit`` unclaimed ids, in first-put order, whose required fields are written.
+
+        Walks the task's pending rows (live, unclaimed, in order) in chunks and checks each chunk
+        with one vectorized presence test per field, so a claim costs what it hands out (plus
+        any not-yet-ready rows ahead of them), not a scan of the whole partition.
+        """
+        pending = part.pending[task]
+        if not required:
+            return list(itertools.islice(pending, limit))
+        cols = [part.columns.get(name) for name in required]
+        if any(c is None for c in cols):
+            return []
+        picked: list[str] = []
+        walk = iter(pending)
+        chunk = max(2 * limit, 64)
+        while len(picked) < limit:
+            ids = list(itertools.islice(walk, chunk))
+            if not ids:
+                break
+            slots = np.fromiter(map(part.slot_of.__getitem__, ids), dtype=np.int64, count=len(ids))
+            ready = np.ones(len(ids), dtype=bool)
+            for col in cols:
+                ready &= col.has(slots)
+            picked.extend(ids[i] for i in np.flatnonzero(ready)[: limit - len(picked)].tolist())
+        return picked
 
     @staticmethod
     def _column_ints(part: Any, name: str, ids: list[str]) -> list[int] | None:
@@ -114,11 +131,9 @@ class TaskCursors:
 
     def check_consumption_status(self, partition_id: str, task_names: Sequence[str]) -> bool:
         """True iff every listed task has claimed every live row of the partition."""
+        tasks = str_list(task_names, "check_consumption_status", "task_names")
         with self._lock:
             self._require_open()
             part = self._partition(partition_id)
-            for task in task_names:
-                claimed = part.consumed.get(task)
-                if claimed is None or any(s not in claimed for s in part.slot_of):
-                    return False
-            return True
+            # A task's pending rows are exactly the live rows it has not claimed.
+            return all(task in part.pending and not part.pending[task] for task in tasks)

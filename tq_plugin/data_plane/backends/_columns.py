@@ -4,14 +4,17 @@ A *dense* column is a block ``[slot_capacity, *row_shape]`` indexed by row slot.
 column is one contiguous values buffer ``[value_capacity, *trailing]`` plus a ``(start, length)``
 pair per slot, so a read of many rows is one gather and comes back as a ``torch.jagged`` nested
 tensor built straight from values + offsets. Overwritten or cleared rows leave garbage in the
-values buffer; ``compact`` rewrites the live rows into a right-sized buffer.
+values buffer; ``compact`` rewrites the live rows into a new buffer once garbage outweighs them.
 
 These classes hold no lock and do no validation: ``LocalDataPlane`` validates a whole put before
-calling them, under its lock, which is what makes a put atomic.
+calling them, under its lock. Writing is two-phase, which is what makes a put atomic even when
+memory runs out: ``reserve`` may allocate but never changes what a column holds, and ``write``
+allocates nothing, so it cannot fail part-way.
 """
 
 from __future__ import annotations
 
+import mmap
 from itertools import pairwise
 from typing import NamedTuple
 
@@ -39,12 +42,30 @@ class ColumnSpec(NamedTuple):
         return f"{kind} {self.dtype} with {unit} shape {tuple(self.shape)}"
 
 
-def _grow(buf: torch.Tensor, need: int) -> torch.Tensor:
+# Buffers at least this large live in anonymous memory maps: dropping one hands its pages back
+# to the OS at once, whichever thread allocated it (glibc keeps freed heap memory in per-thread
+# arenas, so a multi-threaded producer's RSS would otherwise stay at its peak after a clear).
+_MMAP_MIN_BYTES = 1 << 20
+
+
+def alloc(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized CPU tensor; large ones are backed by their own anonymous mmap."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes < _MMAP_MIN_BYTES:
+        return torch.empty(shape, dtype=dtype)
+    # torch.frombuffer keeps the map alive exactly as long as a tensor uses it.
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+
+
+def _grown(buf: torch.Tensor, need: int) -> torch.Tensor:
+    """``buf`` itself when it holds ``need`` rows, else a copy with geometric headroom."""
     cap = buf.shape[0]
     if need <= cap:
         return buf
-    new_cap = need if cap == 0 else max(need, 2 * cap)
-    out = torch.empty((new_cap, *buf.shape[1:]), dtype=buf.dtype)
+    out = alloc((need if cap == 0 else max(need, 2 * cap), *buf.shape[1:]), buf.dtype)
     out[:cap].copy_(buf)
     return out
 
@@ -120,97 +141,153 @@ class _Presence:
         return out
 
 
+def _empty(spec: ColumnSpec) -> torch.Tensor:
+    return torch.empty((0, *spec.shape), dtype=spec.dtype)
+
+
 class DenseColumn(_Presence):
+    """A block ``[slot_capacity, *row_shape]``; a row's slot is its index."""
+
     def __init__(self, spec: ColumnSpec) -> None:
         self.spec = spec
-        self.data = torch.empty((0, *spec.shape), dtype=spec.dtype)
+        self.data = _empty(spec)
         # One-row writes go through numpy (~0.5 us) instead of a torch index-assign (~3 us).
         self._np = _numpy_view(self.data)
         self.present = np.zeros(0, dtype=bool)
         self.live_rows = 0
+        self.row_bytes = _numel(spec.shape) * self.data.element_size()
 
-    def write(self, slots: np.ndarray, block: torch.Tensor, need: int) -> bool:
-        """Write rows (``need`` = max slot + 1); True when a buffer was reallocated."""
-        grew = need > self.data.shape[0]
-        if grew:
-            self.data = _grow(self.data, need)
-            self._np = _numpy_view(self.data)
-            self.present = _grow_array(self.present, self.data.shape[0])
+    def reserve(self, need_slots: int, extra_values: int = 0) -> bool:
+        """Make room for slots ``< need_slots``; content-preserving. True when it reallocated."""
+        if need_slots <= self.data.shape[0]:
+            return False
+        data = _grown(self.data, need_slots)
+        present = _grow_array(self.present, data.shape[0])
+        self.data, self._np, self.present = data, _numpy_view(data), present
+        return True
+
+    def write(self, slots: np.ndarray, block: torch.Tensor) -> int:
+        """Write rows into reserved slots; returns the change in live bytes. Allocates nothing."""
         if slots.shape[0] == 1:  # one-row puts (token staging): plain scalar bookkeeping
             slot = int(slots[0])
+            added = 0
             if not self.present[slot]:
                 self.live_rows += 1
                 self.present[slot] = True
+                added = 1
             try:
                 self._np[slot] = block.numpy()[0]  # type: ignore[index]
             except (TypeError, RuntimeError):  # no numpy view, or a tensor numpy refuses
                 self.data[slot] = block[0]
-            return grew
-        self.live_rows += int(slots.shape[0] - np.count_nonzero(self.present[slots]))
+            return added * self.row_bytes
+        added = int(slots.shape[0] - np.count_nonzero(self.present[slots]))
+        self.live_rows += added
         self.data.index_copy_(0, torch.from_numpy(slots), block)
         self.present[slots] = True
-        return grew
+        return added * self.row_bytes
 
     def read(self, slots: np.ndarray) -> torch.Tensor:
         return self.data.index_select(0, torch.from_numpy(slots))
 
-    def drop(self, slots: np.ndarray) -> None:
+    def drop(self, slots: np.ndarray) -> int:
+        """Forget rows; returns the (negative) change in live bytes. The last one frees the block."""
         slots = slots[slots < self.present.shape[0]]
-        self.live_rows -= int(np.count_nonzero(self.present[slots]))
+        gone = int(np.count_nonzero(self.present[slots]))
+        self.live_rows -= gone
         self.present[slots] = False
+        if self.live_rows == 0:
+            self.release()
+        return -gone * self.row_bytes
+
+    def release(self) -> None:
+        """Forget every row and free the block."""
+        self.live_rows = 0
+        self.data = _empty(self.spec)
+        self._np = _numpy_view(self.data)
+        self.present = np.zeros(0, dtype=bool)
+
+    def to_jagged(self) -> JaggedColumn:
+        """The same rows as a jagged column (row ``[L, *t]`` becomes L elements of shape t)."""
+        spec = ColumnSpec(True, self.spec.dtype, tuple(self.spec.shape[1:]))
+        col = JaggedColumn(spec)
+        live = np.flatnonzero(self.present)
+        length = self.spec.shape[0]
+        col.reserve(self.present.shape[0], live.shape[0] * length)
+        if live.shape[0]:
+            block = self.read(live).reshape(-1, *spec.shape)
+            col.write(live, block, np.full(live.shape[0], length, dtype=np.int64))
+        return col
 
     @property
     def live_bytes(self) -> int:
-        row = self.data[0].numel() * self.data.element_size() if self.data.shape[0] else 0
-        return self.live_rows * row
+        return self.live_rows * self.row_bytes
 
     @property
     def reserved_bytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+        return self.data.shape[0] * self.row_bytes + self.present.shape[0]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 class JaggedColumn(_Presence):
+    """One values buffer ``[capacity, *element_shape]`` plus a ``(start, length)`` per slot.
+
+    Overwrites and clears leave garbage behind; it is compacted away only once it outweighs the
+    live data, so the copy a compaction makes is paid for by at least as many garbage elements
+    and a write's amortized cost does not grow with the column.
+    """
+
     def __init__(self, spec: ColumnSpec) -> None:
         self.spec = spec
-        self.values = torch.empty((0, *spec.shape), dtype=spec.dtype)
+        self.values = _empty(spec)
         self.used = 0
         self.garbage = 0
+        self.compactions = 0
         self.start = np.zeros(0, dtype=np.int64)
         self.length = np.zeros(0, dtype=np.int64)
         self.present = np.zeros(0, dtype=bool)
         self.live_rows = 0
+        self.element_bytes = _numel(spec.shape) * self.values.element_size()
 
-    def _reserve_slots(self, capacity: int) -> None:
-        if capacity > self.present.shape[0]:
-            self.start = _grow_array(self.start, capacity)
-            self.length = _grow_array(self.length, capacity)
-            self.present = _grow_array(self.present, capacity)
+    def reserve(self, need_slots: int, extra_values: int) -> bool:
+        """Room for slots ``< need_slots`` and ``extra_values`` more elements; content-preserving.
 
-    def _reserve_values(self, extra: int) -> bool:
-        if self.used + extra <= self.values.shape[0]:
-            return False
-        if self.garbage:
-            self.compact(extra)
-        self.values = _grow(self.values, self.used + extra)
+        Either every buffer is ready or (on an allocation failure) nothing visible changed.
+        True when a buffer was reallocated.
+        """
+        grew = False
+        if need_slots > self.present.shape[0]:
+            start = _grow_array(self.start, need_slots)
+            length = _grow_array(self.length, need_slots)
+            present = _grow_array(self.present, need_slots)
+            self.start, self.length, self.present = start, length, present
+            grew = True
+        if self.used + extra_values <= self.values.shape[0]:
+            return grew
+        if self.garbage and self.garbage >= self.used - self.garbage:
+            self.compact(extra_values)
+        if self.used + extra_values > self.values.shape[0]:
+            self.values = _grown(self.values, self.used + extra_values)
         return True
 
-    def write(
-        self, slots: np.ndarray, values: torch.Tensor, lengths: np.ndarray, need: int
-    ) -> bool:
-        """Append rows' values and point their slots at them (``need`` = max slot + 1).
+    def write(self, slots: np.ndarray, values: torch.Tensor, lengths: np.ndarray) -> int:
+        """Append rows' values into reserved room and point their slots at them.
 
-        Returns True when a buffer was reallocated.
+        Returns the change in live bytes. Allocates nothing, so it cannot fail part-way.
         """
-        self._reserve_slots(need)
         was_present = self.present[slots]
         overwritten = int(np.count_nonzero(was_present))
+        old = 0
         if overwritten:
-            self.garbage += int(self.length[slots][was_present].sum())
-            # Overwritten rows are absent during a possible compaction, so it never copies them.
-            self.present[slots] = False
+            old = int(self.length[slots][was_present].sum())
+            self.garbage += old
         self.live_rows += slots.shape[0] - overwritten
         total = values.shape[0]
-        grew = self._reserve_values(total)
         base = self.used
         self.values[base : base + total].copy_(values)
         if slots.shape[0] == 1:
@@ -220,7 +297,7 @@ class JaggedColumn(_Presence):
         self.length[slots] = lengths
         self.present[slots] = True
         self.used = base + total
-        return grew
+        return (total - old) * self.element_bytes
 
     def read(self, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         lengths = self.length[slots]
@@ -229,36 +306,48 @@ class JaggedColumn(_Presence):
         np.cumsum(lengths, out=offsets[1:])
         return values, torch.from_numpy(offsets)
 
-    def drop(self, slots: np.ndarray) -> None:
+    def drop(self, slots: np.ndarray) -> int:
+        """Forget rows; returns the (negative) change in live bytes. Memory goes back as it goes."""
         slots = slots[slots < self.present.shape[0]]
         mask = self.present[slots]
-        self.garbage += int(self.length[slots][mask].sum())
+        gone = int(self.length[slots][mask].sum())
+        self.garbage += gone
         self.live_rows -= int(np.count_nonzero(mask))
         self.present[slots] = False
         if self.live_rows == 0:
-            self.used = 0
-            self.garbage = 0
+            self.release()
         elif self.garbage > self.used - self.garbage:
             self.compact(0)
+        return -gone * self.element_bytes
+
+    def release(self) -> None:
+        """Forget every row and free the buffers."""
+        self.live_rows = 0
+        self.values = _empty(self.spec)
+        self.used = self.garbage = 0
+        self.start = np.zeros(0, dtype=np.int64)
+        self.length = np.zeros(0, dtype=np.int64)
+        self.present = np.zeros(0, dtype=bool)
 
     def compact(self, extra: int) -> None:
-        """Rewrite live rows, in storage order, into a buffer sized for them plus ``extra``."""
+        """Rewrite live rows, in storage order, into a new buffer with room for ``extra`` more.
+
+        The new buffer keeps geometric headroom (up to twice what it must hold, never more than
+        the old capacity), so a stream of overwrites does not compact on every write.
+        """
         live = np.flatnonzero(self.present)
         live = live[np.argsort(self.start[live], kind="stable")]
         lengths = self.length[live]
         packed = gather_rows(self.values, self.start[live], lengths)
-        self.values = torch.empty((packed.shape[0] + extra, *self.spec.shape), dtype=self.spec.dtype)
-        self.values[: packed.shape[0]].copy_(packed)
+        size = packed.shape[0]
+        cap = max(size + extra, min(2 * (size + extra), self.values.shape[0]))
+        values = alloc((cap, *self.spec.shape), self.spec.dtype)
+        values[:size].copy_(packed)
+        self.values = values
         self.start[live] = np.cumsum(lengths) - lengths
-        self.used = packed.shape[0]
+        self.used = size
         self.garbage = 0
-
-    @property
-    def element_bytes(self) -> int:
-        n = 1
-        for d in self.spec.shape:
-            n *= d
-        return n * self.values.element_size()
+        self.compactions += 1
 
     @property
     def live_bytes(self) -> int:

@@ -1,43 +1,60 @@
 """``LocalDataPlane``: the embedded, in-process backend and the default.
 
-Columnar: per partition and field, one contiguous buffer (see ``_columns``). A put is validated
-in full before anything is written, then applied under the store's lock, so every row and every
-field of a put lands or none does, and concurrent puts and reads never see a half-written row.
+Columnar: per partition and field, one contiguous buffer (see ``_columns``). A put runs in three
+phases under the store's lock: validate everything (``_validate``), reserve every buffer it needs
+(may allocate, never changes what the store holds), then write (allocates nothing). So every row
+and every field of a put lands or none does, even when memory runs out part-way, and concurrent
+puts and reads never see a half-written row.
 """
 
 from __future__ import annotations
 
+import copy
 import threading
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
-from tensordict import TensorDict, TensorDictBase
-from torch.nested._internal.nested_tensor import NestedTensor
+from tensordict import TensorDict
 
 from tq_plugin.data_plane.backends._claims import TaskCursors
 from tq_plugin.data_plane.backends._columns import ColumnSpec, DenseColumn, JaggedColumn
-from tq_plugin.data_plane.client import DataPlaneClosedError, FieldsLike
+from tq_plugin.data_plane.backends._validate import (
+    Prepared,
+    checked_tags,
+    copy_tag,
+    field_items,
+    lengths_from,
+    name_some,
+    optional_count,
+    prepare,
+    str_list,
+)
+from tq_plugin.data_plane.client import CapacityError, DataPlaneClosedError, FieldsLike
 from tq_plugin.data_plane.meta import KVBatchMeta
-from tq_plugin.data_plane.schema import INPUT_LENGTHS
+from tq_plugin.data_plane.schema import INPUT_LENGTHS, TOKEN_ALIGNED_FIELDS
 
-_SHOW = 5  # how many offending ids an error message names
-
-
-def _name_some(items: Sequence[Any]) -> str:
-    shown = ", ".join(repr(x) for x in list(items)[:_SHOW])
-    more = f" (+{len(items) - _SHOW} more)" if len(items) > _SHOW else ""
-    return f"[{shown}]{more}"
+PUT_MODES = ("upsert", "insert", "update")
+# The default capacity: this share of the memory available when the store is created. Buffers
+# keep geometric headroom (up to 2x live), so this keeps a full store under what is available.
+DEFAULT_CAPACITY_FRACTION = 0.4
 
 
-def _duplicates(ids: Sequence[str]) -> list[str]:
-    if len(set(ids)) == len(ids):
-        return []
-    seen: set[str] = set()
-    return list(dict.fromkeys(s for s in ids if s in seen or seen.add(s)))
+def available_memory_bytes() -> int:
+    """``MemAvailable`` from /proc/meminfo, else the physical memory size."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass
@@ -54,18 +71,16 @@ class _Partition:
     next_slot: int = 0
     columns: dict[str, DenseColumn | JaggedColumn] = field(default_factory=dict)
     tags: dict[str, dict[str, Any]] = field(default_factory=dict)
-    # first-put order per slot, for claims (a numpy array: no per-row Python work on puts)
+    # first-put order per slot (a numpy array: no per-row Python work on puts)
     arrival: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    consumed: dict[str, set[str]] = field(default_factory=dict)  # task -> claimed ids
+    consumed: dict[str, set[str]] = field(default_factory=dict)  # task -> claimed live ids
+    # task -> live ids it has not claimed, in first-put order (dicts keep insertion order), so
+    # a claim looks at the rows it hands out, not at every row of the partition.
+    pending: dict[str, dict[str, None]] = field(default_factory=dict)
 
-
-class _Prepared(NamedTuple):
-    """One field of a put, validated and normalized, ready to write."""
-
-    name: str
-    spec: ColumnSpec
-    block: torch.Tensor  # dense: [N, *shape]; jagged: values [total, *shape]
-    lengths: np.ndarray | None  # jagged only: [N]
+    @property
+    def live_bytes(self) -> int:
+        return sum(c.live_bytes for c in self.columns.values())
 
 
 class LocalDataPlane(TaskCursors):
@@ -73,15 +88,28 @@ class LocalDataPlane(TaskCursors):
 
     Partitions must be registered before use. ``fields`` declares the names producers may write
     (an empty list leaves the schema open); ``jagged_fields`` names columns stored ragged per row
-    even when a put hands them over dense. Any other field takes its kind from its first put.
+    even when a put hands them over dense. Any other field takes its kind from its first put and
+    becomes jagged, losslessly, the first time a row of another length joins it.
+
+    ``capacity_bytes`` bounds the live bytes the store holds (default: 40% of the memory
+    available at construction); a put that would pass it raises ``CapacityError`` and writes
+    nothing, instead of the process being killed for memory.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, capacity_bytes: int | None = None) -> None:
+        if capacity_bytes is None:
+            capacity_bytes = int(DEFAULT_CAPACITY_FRACTION * available_memory_bytes())
+        elif isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
+            raise TypeError(f"LocalDataPlane: capacity_bytes must be an int, got {capacity_bytes!r}")
+        elif capacity_bytes <= 0:
+            raise ValueError(f"LocalDataPlane: capacity_bytes must be > 0, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
         self._lock = threading.RLock()
         self._produced = threading.Condition(self._lock)  # notified by every put
         self._arrivals = 0
         self._partitions: dict[str, _Partition] = {}
         self._closed = False
+        self._live_bytes = 0
         self._peak_bytes = 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -102,12 +130,18 @@ class LocalDataPlane(TaskCursors):
         """Release every partition. Idempotent; any later operation raises."""
         with self._lock:
             self._partitions.clear()
+            self._live_bytes = 0
             self._closed = True
             self._produced.notify_all()  # blocked claims wake up and raise
 
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def shared(self) -> bool:
+        """False: the rows live in this process; other processes cannot reach them."""
+        return False
 
     # ------------------------------------------------------------------ schema
     def register_partition(
@@ -123,17 +157,21 @@ class LocalDataPlane(TaskCursors):
     ) -> None:
         """Declare a partition, or widen an existing one's schema (idempotent).
 
-        Re-registering never drops rows: it adds declared and jagged field names. Every check
-        runs before the schema changes, so a rejected call leaves the partition as it was.
+        Re-registering never drops rows: it adds declared and jagged field names and consumer
+        tasks. ``num_samples`` is a row limit (a put past it raises ``CapacityError``);
+        ``grpo_group_size`` must divide it; ``enums`` (per-field string vocabularies) are
+        checked and kept for NeMo RL parity. Every check runs before the schema changes, so a
+        rejected call leaves the partition as it was.
         """
+        where = "register_partition"
         if not isinstance(partition_id, str) or not partition_id:
-            raise ValueError("register_partition: partition_id must be a non-empty string")
-        names = list(fields)
-        jagged = list(jagged_fields or ())
-        if len(set(names)) != len(names):
-            raise ValueError(f"register_partition: duplicate field names {_name_some(_duplicates(names))}")
-        if num_samples is not None and num_samples <= 0:
-            raise ValueError(f"register_partition: num_samples must be > 0, got {num_samples}")
+            raise ValueError(f"{where}: partition_id must be a non-empty string, got {partition_id!r}")
+        names = str_list(fields, where, "fields")
+        jagged = str_list(jagged_fields or (), where, "jagged_fields")
+        tasks = None if consumer_tasks is None else str_list(consumer_tasks, where, "consumer_tasks")
+        num_samples = optional_count(num_samples, where, "num_samples")
+        grpo_group_size = optional_count(grpo_group_size, where, "grpo_group_size")
+        vocab = _checked_enums(enums, where)
         with self._lock:
             self._require_open()
             part = self._partitions.get(partition_id)
@@ -141,31 +179,47 @@ class LocalDataPlane(TaskCursors):
             if names:
                 # Closing an open schema keeps the fields it already holds writable.
                 declared.update(names, part.columns if part is not None and not declared else ())
-            undeclared = [n for n in jagged if declared and n not in declared]
-            if undeclared:
-                raise ValueError(
-                    f"register_partition: jagged_fields {_name_some(undeclared)} are not among "
-                    f"the declared fields of partition {partition_id!r}"
-                )
+            for what, listed in (("jagged_fields", jagged), ("enums", list(vocab))):
+                undeclared = [n for n in listed if declared and n not in declared]
+                if undeclared:
+                    raise ValueError(
+                        f"{where}: {what} {name_some(undeclared)} are not among the declared "
+                        f"fields of partition {partition_id!r}"
+                    )
             for name in jagged:
                 col = part.columns.get(name) if part is not None else None
                 if col is not None and col.live_rows and not col.spec.jagged:
                     raise TypeError(
-                        f"register_partition: field {name!r} already holds dense rows; "
+                        f"{where}: field {name!r} already holds dense rows; "
                         "it cannot be re-declared jagged while they are live"
                     )
+            limit = num_samples if num_samples is not None else (part and part.num_samples)
+            live = len(part.slot_of) if part is not None else 0
+            if num_samples is not None and live > num_samples:
+                raise ValueError(
+                    f"{where}: num_samples={num_samples} is below the {live} rows partition "
+                    f"{partition_id!r} already holds"
+                )
+            group = grpo_group_size or (part.grpo_group_size if part else None)
+            if limit and group and limit % group:
+                raise ValueError(
+                    f"{where}: num_samples={limit} is not a multiple of grpo_group_size={group}"
+                )
             if part is None:
                 part = _Partition(partition_id=partition_id, declared=set(), jagged=set())
                 self._partitions[partition_id] = part
             part.declared = declared
             part.jagged.update(jagged)
-            part.num_samples = num_samples if num_samples is not None else part.num_samples
-            part.consumer_tasks = tuple(consumer_tasks or part.consumer_tasks)
+            part.num_samples = limit or None
+            part.grpo_group_size = group
+            part.enums.update(vocab)
+            if tasks:
+                part.consumer_tasks = tuple(dict.fromkeys([*part.consumer_tasks, *tasks]))
             for task in part.consumer_tasks:
-                part.consumed.setdefault(task, set())
-            part.grpo_group_size = grpo_group_size or part.grpo_group_size
-            if enums:
-                part.enums.update({k: list(v) for k, v in enums.items()})
+                if task not in part.consumed:
+                    part.consumed[task] = set()
+                    order = sorted(part.slot_of, key=lambda s: int(part.arrival[part.slot_of[s]]))
+                    part.pending[task] = dict.fromkeys(order)
 
     # ------------------------------------------------------------------ writes
     def put_samples(
@@ -174,154 +228,171 @@ class LocalDataPlane(TaskCursors):
         partition_id: str,
         fields: FieldsLike | None = None,
         tags: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        mode: str = "upsert",
     ) -> KVBatchMeta:
-        """Write ``fields`` (and ``tags``) for ``sample_ids``: all of it, or nothing."""
-        ids = list(sample_ids)
+        """Write ``fields`` (and ``tags``) for ``sample_ids``: all of it, or nothing.
+
+        ``mode``: ``"upsert"`` writes new ids and overwrites existing ones; ``"insert"`` refuses
+        (``ValueError``) ids the partition already holds; ``"update"`` refuses (``KeyError``) ids
+        it does not hold, so a mistyped id never mints a row. Raises ``TypeError`` /
+        ``ValueError`` for malformed input, ``KeyError`` for an unknown partition and
+        ``CapacityError`` past ``num_samples`` or ``capacity_bytes``; nothing is written then.
+        """
+        where = "put_samples"
+        ids = str_list(sample_ids, where, "sample_ids")
+        if mode not in PUT_MODES:
+            raise ValueError(f"{where}: mode must be one of {PUT_MODES}, got {mode!r}")
         n = len(ids)
-        if not set(map(type, ids)) <= {str}:
-            bad = [s for s in ids if not isinstance(s, str)]
-            raise TypeError(f"put_samples: sample_ids must be strings, got {_name_some(bad)}")
-        dups = _duplicates(ids)
-        if dups:
-            raise ValueError(f"put_samples: duplicate sample_ids in one put: {_name_some(dups)}")
-        if tags is not None:
-            tags = list(tags)
-            if len(tags) != n:
-                raise ValueError(f"put_samples: got {len(tags)} tags for {n} sample_ids")
-            if not all(isinstance(t, Mapping) for t in tags):
-                raise TypeError("put_samples: each tag must be a mapping of primitives")
-        items = _field_items(fields, n)
+        tag_rows = checked_tags(tags, n, where)
+        items = field_items(fields, n)
         with self._lock:
             self._require_open()
             part = self._partition(partition_id)
-            prepared = [self._prepare(part, name, value, n) for name, value in items]
+            prepared = [prepare(part, name, value, n) for name, value in items]
             if n:
-                slots, new_slots = self._assign_slots(part, ids)
-                need = int(slots.max()) + 1
-                grew = False
-                for p in prepared:
-                    grew = self._write(part, p, slots, need) or grew
-                if tags is not None:
-                    for sid, t in zip(ids, tags):
-                        part.tags.setdefault(sid, {}).update(t)
-                if new_slots:
-                    if need > part.arrival.shape[0]:
-                        grown = np.zeros(max(need, 2 * part.arrival.shape[0]), dtype=np.int64)
-                        grown[: part.arrival.shape[0]] = part.arrival
-                        part.arrival = grown
-                    count = len(new_slots)
-                    part.arrival[new_slots] = np.arange(self._arrivals, self._arrivals + count)
-                    self._arrivals += count
-                if grew:  # reserved bytes only rise when a buffer is reallocated
-                    self._peak_bytes = max(self._peak_bytes, self._reserved_bytes())
-                self._produced.notify_all()
-        names = [name for name, _ in items]
+                self._apply(part, ids, prepared, tag_rows, mode)
         return KVBatchMeta(
             partition_id=partition_id,
             task_name=None,
             sample_ids=ids,
-            fields=names or None,
-            sequence_lengths=_lengths_from(items),
-            tags=None if tags is None else [dict(t) for t in tags],
+            fields=[name for name, _ in items] or None,
+            sequence_lengths=lengths_from(items),
+            tags=None if tag_rows is None else [copy_tag(t) for t in tag_rows],
         )
 
-    def _prepare(self, part: _Partition, name: str, value: torch.Tensor, n: int) -> _Prepared:
-        """Validate one field of a put against the partition's schema and normalize it.
-
-        Runs once per field of every put (24 fields for a staged call), so it reads each tensor
-        attribute once and builds nothing it does not return.
-        """
-        if part.declared and name not in part.declared:
+    def _apply(
+        self,
+        part: _Partition,
+        ids: list[str],
+        prepared: list[Prepared],
+        tag_rows: list[dict[str, Any]] | None,
+        mode: str,
+    ) -> None:
+        """Check the put against what the partition holds, reserve, then write (under the lock)."""
+        found = list(map(part.slot_of.get, ids))
+        new = [] if None not in found else [s for s, x in zip(ids, found) if x is None]
+        if mode == "insert" and len(new) != len(ids):
+            held = [s for s, x in zip(ids, found) if x is not None]
             raise ValueError(
-                f"put_samples: field {name!r} is not declared for partition "
-                f"{part.partition_id!r}; declared fields: {sorted(part.declared)}"
+                f"put_samples(mode='insert'): {len(held)} sample_ids already exist in partition "
+                f"{part.partition_id!r}: {name_some(held)}"
             )
-        col = part.columns.get(name)
-        live = col is not None and col.live_rows > 0
-        if value.is_nested:
-            return self._prepare_nested(part, name, value, n, col if live else None)
-        shape = value.shape
-        if not shape:
-            raise ValueError(f"put_samples: field {name!r} is 0-d; every field needs a row dim")
-        if shape[0] != n:
-            raise ValueError(f"put_samples: field {name!r} has {shape[0]} rows for {n} sample_ids")
-        if value.requires_grad:
-            value = value.detach()
-        if not value.is_cpu:
-            value = value.cpu()
-        jagged = col.spec.jagged if live else name in part.jagged  # type: ignore[union-attr]
-        if jagged:
-            if len(shape) < 2:
-                raise ValueError(
-                    f"put_samples: field {name!r} is jagged; a dense put needs shape "
-                    f"[N, L, ...], got {tuple(shape)}"
-                )
-            spec = ColumnSpec(True, value.dtype, tuple(shape[2:]))
-            block = value[0] if n == 1 else value.reshape(-1, *shape[2:])
-            lengths = np.full(n, shape[1], dtype=np.int64)
+        if mode == "update" and new:
+            raise KeyError(
+                f"put_samples(mode='update'): {len(new)} sample_ids were never written to "
+                f"partition {part.partition_id!r}: {name_some(new)}"
+            )
+        if part.num_samples is not None and len(part.slot_of) + len(new) > part.num_samples:
+            raise CapacityError(
+                f"put_samples: partition {part.partition_id!r} holds {len(part.slot_of)} rows; "
+                f"{len(new)} more would pass its num_samples={part.num_samples}"
+            )
+        incoming = sum(p.block.numel() * p.block.element_size() for p in prepared)
+        if self._live_bytes + incoming > self.capacity_bytes:
+            raise CapacityError(
+                f"put_samples: {incoming} bytes for partition {part.partition_id!r} would take "
+                f"the store past capacity_bytes={self.capacity_bytes} ({self._live_bytes} held); "
+                "clear consumed rows or raise capacity_bytes"
+            )
+        self._check_token_alignment(part, ids, found, prepared)
+        # Slots for new ids, planned without touching the partition yet.
+        reuse = min(len(new), len(part.free_slots))
+        new_slots = [*part.free_slots[len(part.free_slots) - reuse :],
+                     *range(part.next_slot, part.next_slot + len(new) - reuse)]
+        if new:
+            planned = dict(zip(new, new_slots))
+            slots = np.array([planned[s] if x is None else x for s, x in zip(ids, found)], dtype=np.int64)
         else:
-            spec = ColumnSpec(False, value.dtype, tuple(shape[1:]))
-            block, lengths = value, None
-        if live and spec != col.spec:  # type: ignore[union-attr]
-            _raise_mismatch(name, col.spec, spec)  # type: ignore[union-attr]
-        return _Prepared(name, spec, block, lengths)
-
-    def _prepare_nested(
-        self, part: _Partition, name: str, value: torch.Tensor, n: int, live: Any
-    ) -> _Prepared:
-        if not isinstance(value, NestedTensor):
-            raise TypeError(
-                f"put_samples: field {name!r} must be a torch.jagged nested tensor "
-                "(build it with torch.nested.nested_tensor_from_jagged), not a strided one"
-            )
-        # A jagged tensor's own methods are slow (each goes through __torch_function__), so
-        # work on its values/offsets buffers directly.
-        rows = value._offsets.shape[0] - 1
-        if rows != n:
-            raise ValueError(f"put_samples: field {name!r} has {rows} rows for {n} sample_ids")
-        if value._ragged_idx != 1:
-            raise TypeError(f"put_samples: field {name!r} must be ragged on dim 1")
-        if live is not None and not live.spec.jagged:
-            raise TypeError(
-                f"put_samples: field {name!r} is stored dense ({live.spec.describe()}); "
-                "got a jagged nested tensor"
-            )
-        if value._lengths is not None:
-            value = value.contiguous()  # a narrowed view with holes
-        block = value._values.detach()
-        if not block.is_cpu:
-            block = block.cpu()
-        lengths = value._offsets.diff().cpu().numpy()
-        spec = ColumnSpec(True, block.dtype, tuple(block.shape[1:]))
-        if live is not None and spec != live.spec:
-            _raise_mismatch(name, live.spec, spec)
-        return _Prepared(name, spec, block, lengths)
-
-    def _assign_slots(self, part: _Partition, ids: list[str]) -> tuple[np.ndarray, list[int]]:
-        """Slots for ``ids`` (reusing freed ones), and the slots given to ids new to the partition."""
-        lookup = part.slot_of.get
-        slots = list(map(lookup, ids))
-        new_slots: list[int] = []
-        if None in slots:
-            new = ids if slots.count(None) == len(ids) else [s for s, x in zip(ids, slots) if x is None]
-            reuse = min(len(new), len(part.free_slots))
-            fresh = range(part.next_slot, part.next_slot + len(new) - reuse)
-            new_slots = [*part.free_slots[len(part.free_slots) - reuse :], *fresh]
+            slots = np.array(found, dtype=np.int64)
+        need = int(slots.max()) + 1
+        # Reserve: every allocation of the put happens here, and none changes visible rows.
+        grew = False
+        targets: list[DenseColumn | JaggedColumn] = []
+        for p in prepared:
+            col = part.columns.get(p.name)
+            if p.promote:
+                col = col.to_jagged()  # type: ignore[union-attr]
+            elif col is None or col.spec != p.spec:  # no live rows (checked in prepare)
+                col = self._new_column(p.spec)
+            grew = col.reserve(need, p.block.shape[0] if p.spec.jagged else 0) or grew
+            targets.append(col)
+        arrival = part.arrival
+        if new and need > arrival.shape[0]:
+            arrival = np.zeros(max(need, 2 * arrival.shape[0]), dtype=np.int64)
+            arrival[: part.arrival.shape[0]] = part.arrival
+        # Write: nothing below allocates more than bookkeeping, so it cannot fail part-way.
+        if new:
             del part.free_slots[len(part.free_slots) - reuse :]
-            part.next_slot += len(fresh)
+            part.next_slot += len(new) - reuse
             part.slot_of.update(zip(new, new_slots))
-            slots = list(map(lookup, ids))
-        return np.array(slots, dtype=np.int64), new_slots
-
-    def _write(self, part: _Partition, p: _Prepared, slots: np.ndarray, need: int) -> bool:
-        col = part.columns.get(p.name)
-        if col is None or col.spec != p.spec:
-            # No live rows (checked in _prepare): the column may change kind/dtype/shape.
-            col = JaggedColumn(p.spec) if p.spec.jagged else DenseColumn(p.spec)
+            part.arrival = arrival
+            arrival[new_slots] = np.arange(self._arrivals, self._arrivals + len(new))
+            self._arrivals += len(new)
+            for pending in part.pending.values():
+                pending.update(dict.fromkeys(new))
+        delta = 0
+        for p, col in zip(prepared, targets):
             part.columns[p.name] = col
-        if p.spec.jagged:
-            return col.write(slots, p.block, p.lengths, need)  # type: ignore[call-arg, arg-type]
-        return col.write(slots, p.block, need)  # type: ignore[call-arg]
+            if p.spec.jagged:
+                delta += col.write(slots, p.block, p.lengths)  # type: ignore[call-arg, arg-type]
+            else:
+                delta += col.write(slots, p.block)  # type: ignore[call-arg]
+        self._live_bytes += delta
+        if tag_rows is not None:
+            for sid, t in zip(ids, tag_rows):
+                part.tags.setdefault(sid, {}).update(t)
+        if grew:  # reserved bytes only rise when a buffer is reallocated
+            self._peak_bytes = max(self._peak_bytes, self._reserved_bytes())
+        self._produced.notify_all()
+
+    @staticmethod
+    def _check_token_alignment(
+        part: _Partition, ids: list[str], found: list[int | None], prepared: list[Prepared]
+    ) -> None:
+        """Jagged per-token columns must have each row's ``input_lengths`` elements.
+
+        The lengths come from the put itself when it carries ``input_lengths``, else from the
+        rows already stored, so a write-back can never drift out of line with ``input_ids``.
+        """
+        aligned = [p for p in prepared if p.spec.jagged and p.name in TOKEN_ALIGNED_FIELDS]
+        if not aligned:
+            return
+        own = next((p for p in prepared if p.name == INPUT_LENGTHS), None)
+        rows = np.arange(len(ids))
+        if own is not None and not own.spec.jagged and own.spec.shape == ():
+            expected = own.block.to(torch.int64).numpy()
+        else:
+            col = part.columns.get(INPUT_LENGTHS)
+            if col is None or col.spec.jagged or col.spec.shape != () or None in found:
+                if col is None or col.spec.jagged or col.spec.shape != ():
+                    return
+                rows = np.array([i for i, x in enumerate(found) if x is not None], dtype=np.int64)
+            slots = np.array([found[i] for i in rows.tolist()], dtype=np.int64)
+            held = col.has(slots)
+            rows, slots = rows[held], slots[held]
+            if not rows.shape[0]:
+                return
+            expected = col.read(slots).to(torch.int64).numpy()
+        for p in aligned:
+            got = p.lengths[rows]  # type: ignore[index]
+            bad = np.flatnonzero(got != expected)
+            if bad.shape[0]:
+                shown = [(ids[int(rows[i])], int(got[i]), int(expected[i])) for i in bad[:5].tolist()]
+                raise ValueError(
+                    f"put_samples: field {p.name!r} is per-token, so each row must have "
+                    f"{INPUT_LENGTHS!r} elements; {bad.shape[0]} rows differ "
+                    f"(id, got, {INPUT_LENGTHS}): {shown}"
+                )
+
+    def _new_column(self, spec: ColumnSpec) -> Any:
+        """The column a field with no live rows gets (a hook for stores that keep bytes elsewhere).
+
+        A column offers ``reserve(need_slots, extra_values) -> bool`` (may allocate, never
+        changes what it holds), ``write(slots, block[, lengths]) -> live-bytes delta`` (allocates
+        nothing), ``drop``, ``release``, ``has``, ``read``, ``to_jagged`` and byte counts.
+        """
+        return JaggedColumn(spec) if spec.jagged else DenseColumn(spec)
 
     # ------------------------------------------------------------------ reads
     def get_samples(
@@ -330,17 +401,13 @@ class LocalDataPlane(TaskCursors):
         """Exactly the requested rows, in request order, as a ``TensorDict`` of batch ``[N]``.
 
         Jagged fields come back as ``torch.jagged`` nested tensors, dense fields dense. Every
-        returned tensor is a fresh copy, so callers may modify it freely.
+        returned tensor is a fresh copy, so callers may modify it freely. Raises ``KeyError``
+        for unknown ids or a field some requested row lacks (never a short read).
         """
-        ids = list(sample_ids)
-        names = list(select_fields)
+        ids = str_list(sample_ids, "get_samples", "sample_ids")
+        names = str_list(select_fields, "get_samples", "select_fields")
         if not names:
             raise ValueError("get_samples: select_fields must name at least one field")
-        dups = _duplicates(ids)
-        if dups:
-            raise ValueError(f"get_samples: duplicate sample_ids requested: {_name_some(dups)}")
-        if len(set(names)) != len(names):
-            raise ValueError(f"get_samples: duplicate select_fields {_name_some(_duplicates(names))}")
         out: dict[str, torch.Tensor] = {}
         with self._lock:
             self._require_open()
@@ -350,15 +417,15 @@ class LocalDataPlane(TaskCursors):
                 missing = [s for s, slot in zip(ids, found) if slot is None]
                 raise KeyError(
                     f"get_samples: {len(missing)} unknown sample_ids in partition "
-                    f"{partition_id!r}: {_name_some(missing)}"
+                    f"{partition_id!r}: {name_some(missing)}"
                 )
             slots = np.array(found, dtype=np.int64)
             for name in names:
                 col = part.columns.get(name)
-                if col is None:
+                if col is None or (col.live_rows == 0 and ids):
                     raise KeyError(
                         f"get_samples: field {name!r} was never written to partition "
-                        f"{partition_id!r}"
+                        f"{partition_id!r} (or every row holding it was cleared)"
                     )
                 # Every live row holds the field (the common case): no per-row check needed.
                 have = None if col.live_rows == len(part.slot_of) else col.has(slots)
@@ -366,7 +433,7 @@ class LocalDataPlane(TaskCursors):
                     lacking = [ids[i] for i in np.flatnonzero(~have).tolist()]
                     raise KeyError(
                         f"get_samples: field {name!r} not written for {len(lacking)} requested "
-                        f"rows of partition {partition_id!r}: {_name_some(lacking)}"
+                        f"rows of partition {partition_id!r}: {name_some(lacking)}"
                     )
                 if col.spec.jagged:
                     values, offsets = col.read(slots)  # type: ignore[misc]
@@ -376,14 +443,15 @@ class LocalDataPlane(TaskCursors):
         return TensorDict(out, batch_size=[len(ids)])
 
     def get_tags(self, sample_ids: Sequence[str], partition_id: str) -> list[dict[str, Any]]:
-        """The tags stored for each id (empty dict when none), in request order."""
+        """A copy of the tags stored for each id (empty dict when none), in request order."""
+        ids = str_list(sample_ids, "get_tags", "sample_ids", unique=False)
         with self._lock:
             self._require_open()
             part = self._partition(partition_id)
-            missing = [s for s in sample_ids if s not in part.slot_of]
+            missing = [s for s in ids if s not in part.slot_of]
             if missing:
-                raise KeyError(f"get_tags: unknown sample_ids {_name_some(missing)}")
-            return [dict(part.tags.get(s, {})) for s in sample_ids]
+                raise KeyError(f"get_tags: unknown sample_ids {name_some(missing)}")
+            return [copy_tag(part.tags.get(s, {})) for s in ids]
 
     def list_sample_ids(self, partition_id: str) -> list[str]:
         """Sorted ids of the partition's live rows; ``[]`` for an unknown partition."""
@@ -401,44 +469,66 @@ class LocalDataPlane(TaskCursors):
     def clear_samples(self, sample_ids: Sequence[str] | None, partition_id: str) -> None:
         """Drop rows (idempotent: unknown ids are ignored). ``None`` drops the whole partition.
 
-        Freed slots are reused and jagged buffers are compacted once garbage outweighs live
-        data, so a long run that clears each step does not grow without bound.
+        Memory goes back as rows go: freed slots are reused, jagged buffers are compacted once
+        garbage outweighs live data, and a column (or partition) with no rows left frees its
+        buffers.
         """
+        ids = None if sample_ids is None else str_list(sample_ids, "clear_samples", "sample_ids", unique=False)
         with self._lock:
             self._require_open()
             part = self._partitions.get(partition_id)
-            if sample_ids is None:
+            if ids is None:
                 if part is None or not part.slot_of:
                     warnings.warn(
                         f"clear_samples(None, {partition_id!r}) found nothing to clear",
                         RuntimeWarning,
                         stacklevel=2,
                     )
-                self._partitions.pop(partition_id, None)
+                if part is not None:
+                    self._live_bytes -= part.live_bytes
+                    del self._partitions[partition_id]
                 return
             if part is None:
                 return
             pop = part.slot_of.pop
-            slots = [slot for slot in (pop(s, None) for s in sample_ids) if slot is not None]
-            if part.tags:
-                for s in sample_ids:
-                    part.tags.pop(s, None)
-            for claimed in part.consumed.values():
-                if claimed:
-                    claimed.difference_update(sample_ids)
+            slots = [slot for slot in (pop(s, None) for s in ids) if slot is not None]
             if not slots:
+                return
+            if part.tags:
+                for s in ids:
+                    part.tags.pop(s, None)
+            for task, claimed in part.consumed.items():
+                if claimed:
+                    claimed.difference_update(ids)
+                pending = part.pending[task]
+                for s in ids:
+                    pending.pop(s, None)
+            if not part.slot_of:  # the partition is empty: start its slots afresh
+                self._live_bytes -= part.live_bytes
+                for col in part.columns.values():
+                    col.release()
+                part.free_slots.clear()
+                part.next_slot = 0
+                part.arrival = np.zeros(0, dtype=np.int64)
                 return
             part.free_slots.extend(slots)
             index = np.array(slots, dtype=np.int64)
             for col in part.columns.values():
-                col.drop(index)
+                self._live_bytes += col.drop(index)
 
     # ------------------------------------------------------------------ accounting
     def _reserved_bytes(self) -> int:
         return sum(c.reserved_bytes for p in self._partitions.values() for c in p.columns.values())
 
+    def compactions(self) -> int:
+        """How many times jagged buffers of live partitions were compacted (for tests/benchmarks)."""
+        with self._lock:
+            return sum(
+                getattr(c, "compactions", 0) for p in self._partitions.values() for c in p.columns.values()
+            )
+
     def stats(self) -> dict[str, int]:
-        """Rows held, bytes of live data, bytes reserved by buffers, and the peak reserved."""
+        """Rows held, bytes of live data, bytes reserved by buffers, the peak reserved, capacity."""
         with self._lock:
             cols = [c for p in self._partitions.values() for c in p.columns.values()]
             return {
@@ -447,6 +537,7 @@ class LocalDataPlane(TaskCursors):
                 "live_bytes": sum(c.live_bytes for c in cols),
                 "bytes_held": sum(c.reserved_bytes for c in cols),
                 "peak_bytes_held": self._peak_bytes,
+                "capacity_bytes": self.capacity_bytes,
             }
 
     # ------------------------------------------------------------------ checkpoints
@@ -467,44 +558,12 @@ class LocalDataPlane(TaskCursors):
         return load_store(path)
 
 
-def _raise_mismatch(name: str, held: ColumnSpec, given: ColumnSpec) -> None:
-    what = "dtype" if given.dtype != held.dtype else "shape"
-    raise TypeError(
-        f"put_samples: field {name!r} {what} mismatch: live rows hold {held.describe()}, "
-        f"this put has {given.describe()}"
-    )
-
-
-def _field_items(fields: FieldsLike | None, n: int) -> list[tuple[str, torch.Tensor]]:
-    """Flatten a put's payload to (name, tensor) pairs, rejecting what a column cannot hold."""
-    if fields is None:
-        return []
-    if isinstance(fields, TensorDictBase):
-        if tuple(fields.batch_size) != (n,):
-            raise ValueError(
-                f"put_samples: fields.batch_size is {tuple(fields.batch_size)}, expected ({n},)"
-            )
-        pairs = list(fields.items())
-    elif isinstance(fields, Mapping):
-        pairs = list(fields.items())
-    else:
-        raise TypeError(
-            f"put_samples: fields must be a TensorDict or a mapping of tensors, got {type(fields).__name__}"
-        )
-    for name, value in pairs:
-        if not isinstance(name, str):
-            raise TypeError(f"put_samples: field names must be strings, got {name!r}")
-        if not isinstance(value, torch.Tensor):
-            kind = type(value).__name__
-            raise TypeError(
-                f"put_samples: field {name!r} is a non-tensor leaf ({kind}); only tensors "
-                "(dense or torch.jagged nested) are stored. Put primitives in tags."
-            )
-    return pairs
-
-
-def _lengths_from(items: list[tuple[str, torch.Tensor]]) -> list[int] | None:
-    for name, value in items:
-        if name == INPUT_LENGTHS and not value.is_nested and value.dim() == 1:
-            return [int(x) for x in value.tolist()]
-    return None
+def _checked_enums(enums: Any, where: str) -> dict[str, list[str]]:
+    if enums is None:
+        return {}
+    if not isinstance(enums, Mapping):
+        raise TypeError(f"{where}: enums must map field names to lists of strings, got {type(enums).__name__}")
+    return {
+        str_list([name], where, "enums keys")[0]: str_list(vocab, where, f"enums[{name!r}]")
+        for name, vocab in copy.deepcopy(dict(enums)).items()
+    }

@@ -1,0 +1,314 @@
+"""Regression tests for what probing the embedded store found (reliability issue).
+
+Each test names the finding it pins. The rule throughout: bad input raises one documented
+exception naming the field or argument, and the store is exactly as it was before the call.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tq_plugin.data_plane import (
+    INPUT_IDS,
+    INPUT_LENGTHS,
+    CapacityError,
+    LocalDataPlane,
+    nested_from_lengths,
+)
+from tq_plugin.data_plane.backends import _columns
+
+
+def snapshot(dp: LocalDataPlane, pid: str = "p") -> dict:
+    """Everything a caller can observe of a partition: ids, every field of every row, tags."""
+    ids = dp.list_sample_ids(pid)
+    part = dp._partitions[pid]
+    out: dict = {"ids": ids, "tags": dp.get_tags(ids, pid) if ids else []}
+    for name, col in sorted(part.columns.items()):
+        if not col.live_rows:
+            continue
+        have = [s for s in ids if col.has(np.array([part.slot_of[s]]))[0]]
+        td = dp.get_samples(have, pid, [name])
+        value = td[name]
+        rows = list(value.unbind()) if value.is_nested else list(value)
+        out[name] = (col.spec, have, [r.clone() for r in rows])
+    return out
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    assert a["ids"] == b["ids"] and a["tags"] == b["tags"]
+    for k in a.keys() - {"ids", "tags"}:
+        sa, ha, ra = a[k]
+        sb, hb, rb = b[k]
+        assert sa == sb and ha == hb, k
+        assert all(torch.equal(x, y) for x, y in zip(ra, rb, strict=True)), k
+
+
+@pytest.fixture
+def dp() -> LocalDataPlane:
+    d = LocalDataPlane()
+    d.register_partition("p", [])
+    d.put_samples(["a", "b"], "p", {
+        "tok": nested_from_lengths(torch.tensor([5, 6, 7, 8, 9, 10]), torch.tensor([2, 4])),
+        "r": torch.tensor([1.0, 2.0]),
+    }, tags=[{"k": 1}, {"k": 2}])
+    return d
+
+
+# ---------------------------------------------------------------- 1. corrupt jagged offsets
+@pytest.mark.parametrize("offsets", [[0, 2, 9], [0, 3, 2], [-1, 2, 5], [1, 0, 5]])
+def test_jagged_offsets_outside_or_decreasing_are_refused(dp, offsets):
+    before = snapshot(dp)
+    bad = torch.nested.nested_tensor_from_jagged(torch.arange(5), torch.tensor(offsets))
+    with pytest.raises(ValueError, match="'tok' has invalid jagged offsets"):
+        dp.put_samples(["c", "d"], "p", {"tok": bad, "r": torch.zeros(2)})
+    assert_same(before, snapshot(dp))
+    # the next put's bytes are never readable through another row
+    dp.put_samples(["c"], "p", {"tok": nested_from_lengths(torch.tensor([8, 9, 10]), torch.tensor([3])),
+                                "r": torch.zeros(1)})
+    assert dp.get_samples(["c"], "p", ["tok"])["tok"][0].tolist() == [8, 9, 10]
+
+
+def test_negative_lengths_of_a_narrowed_view_are_refused(dp):
+    values = torch.arange(10)
+    bad = torch.nested.nested_tensor_from_jagged(values, torch.tensor([0, 4, 8]), lengths=torch.tensor([3, -2]))
+    before = snapshot(dp)
+    with pytest.raises(ValueError, match="'tok' has invalid jagged offsets"):
+        dp.put_samples(["c", "d"], "p", {"tok": bad})
+    assert_same(before, snapshot(dp))
+
+
+def test_offsets_that_skip_leading_or_trailing_values_keep_exactly_the_rows(dp):
+    nt = torch.nested.nested_tensor_from_jagged(torch.arange(10), torch.tensor([2, 4, 7]))
+    dp.put_samples(["c", "d"], "p", {"tok": nt})
+    rows = dp.get_samples(["c", "d"], "p", ["tok"])["tok"].unbind()
+    assert [r.tolist() for r in rows] == [[2, 3], [4, 5, 6]]
+
+
+# ---------------------------------------------------------------- 3. atomic puts
+@pytest.mark.parametrize("make", [
+    lambda: torch.tensor([1.0, 2.0]).to_sparse(),
+    lambda: torch.quantize_per_tensor(torch.tensor([1.0, 2.0]), 0.1, 0, torch.qint8),
+    lambda: torch.empty(2, device="meta"),
+])
+def test_an_unstorable_second_field_leaves_the_first_unwritten(dp, make):
+    before = snapshot(dp)
+    with pytest.raises((TypeError, ValueError), match="field 'r'"):
+        dp.put_samples(["a", "b"], "p", {
+            "tok": nested_from_lengths(torch.tensor([0, 0, 0]), torch.tensor([1, 2])),
+            "r": make(),
+        })
+    assert_same(before, snapshot(dp))
+
+
+def test_an_allocation_failure_part_way_writes_nothing(dp, monkeypatch):
+    before = snapshot(dp)
+    calls = {"n": 0}
+    real = _columns._grown
+
+    def failing(buf, need):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise MemoryError("injected")
+        return real(buf, need)
+
+    monkeypatch.setattr(_columns, "_grown", failing)
+    big = 64
+    with pytest.raises(MemoryError):
+        dp.put_samples([f"n{i}" for i in range(big)], "p", {
+            "tok": nested_from_lengths(torch.arange(big * 3), torch.full((big,), 3)),
+            "r": torch.zeros(big),
+        })
+    assert calls["n"] == 2
+    assert_same(before, snapshot(dp))  # no new ids listed without data
+    monkeypatch.setattr(_columns, "_grown", real)
+    dp.put_samples(["n0"], "p", {"tok": nested_from_lengths(torch.arange(3), torch.tensor([3])),
+                                 "r": torch.zeros(1)})
+    assert dp.list_sample_ids("p") == ["a", "b", "n0"]
+
+
+# ---------------------------------------------------------------- 9. clear errors
+def test_a_string_is_never_taken_as_a_sequence_of_ids(dp):
+    dp.put_samples(["ab"], "p", {"r": torch.zeros(1)})
+    before = snapshot(dp)
+    with pytest.raises(TypeError, match="sample_ids must be a list of strings"):
+        dp.clear_samples("ab", "p")
+    with pytest.raises(TypeError, match="sample_ids must be a list of strings"):
+        dp.put_samples("ab", "p", {"r": torch.zeros(2)})
+    with pytest.raises(TypeError, match="select_fields must be a list of strings"):
+        dp.get_samples(["a"], "p", "r")
+    with pytest.raises(TypeError, match="fields must be a list of strings"):
+        dp.register_partition("q", "abc")
+    assert_same(before, snapshot(dp))
+    assert "q" not in dp.list_partitions()
+
+
+@pytest.mark.parametrize(("kwargs", "exc", "match"), [
+    ({"num_samples": "3"}, TypeError, "num_samples must be a positive int"),
+    ({"num_samples": True}, TypeError, "num_samples must be a positive int"),
+    ({"num_samples": 0}, ValueError, "num_samples must be > 0"),
+    ({"grpo_group_size": 2.0}, TypeError, "grpo_group_size must be a positive int"),
+    ({"num_samples": 6, "grpo_group_size": 4}, ValueError, "not a multiple of grpo_group_size"),
+    ({"consumer_tasks": "train"}, TypeError, "consumer_tasks must be a list"),
+    ({"enums": {"x": "ab"}}, TypeError, r"enums\['x'\] must be a list"),
+])
+def test_register_partition_arguments_get_clear_errors(kwargs, exc, match):
+    dp = LocalDataPlane()
+    with pytest.raises(exc, match=match):
+        dp.register_partition("q", ["x"], **kwargs)
+    assert dp.list_partitions() == []
+
+
+def test_num_samples_is_a_row_limit():
+    dp = LocalDataPlane()
+    dp.register_partition("q", ["x"], num_samples=2)
+    dp.put_samples(["a", "b"], "q", {"x": torch.zeros(2)})
+    with pytest.raises(CapacityError, match="num_samples=2"):
+        dp.put_samples(["c"], "q", {"x": torch.zeros(1)})
+    dp.put_samples(["a"], "q", {"x": torch.ones(1)})  # overwrites are not new rows
+    dp.clear_samples(["a"], "q")
+    dp.put_samples(["c"], "q", {"x": torch.zeros(1)})
+    assert dp.list_sample_ids("q") == ["b", "c"]
+
+
+def test_tags_are_copied_in_and_out(dp):
+    nested = {"k": [1, 2]}
+    dp.put_samples(["c"], "p", {"r": torch.zeros(1)}, tags=[nested])
+    nested["k"].append(3)
+    nested["new"] = 1
+    got = dp.get_tags(["c"], "p")[0]
+    assert got == {"k": [1, 2]}
+    got["k"].append(4)
+    assert dp.get_tags(["c"], "p")[0] == {"k": [1, 2]}
+
+
+@pytest.mark.parametrize(("tags", "match"), [
+    ("ab", "tags must be a list"),
+    ([{"k": 1}], "got 1 tags for 2"),
+    ([{"k": 1}, 5], r"tags\[1\] must be a mapping"),
+    ([{1: 1}, {}], r"tags\[0\] keys must be strings"),
+])
+def test_malformed_tags_write_nothing(dp, tags, match):
+    before = snapshot(dp)
+    with pytest.raises((TypeError, ValueError), match=match):
+        dp.put_samples(["c", "d"], "p", {"r": torch.zeros(2)}, tags=tags)
+    assert_same(before, snapshot(dp))
+
+
+# ---------------------------------------------------------------- put modes (first_write / write-back)
+def test_insert_refuses_held_ids_and_update_refuses_new_ones(dp):
+    before = snapshot(dp)
+    with pytest.raises(ValueError, match=r"mode='insert'.*'a'"):
+        dp.put_samples(["z", "a"], "p", {"r": torch.zeros(2)}, mode="insert")
+    with pytest.raises(KeyError, match=r"mode='update'.*'typo'"):
+        dp.put_samples(["a", "typo"], "p", {"r": torch.zeros(2)}, mode="update")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        dp.put_samples(["a"], "p", {"r": torch.zeros(1)}, mode="append")
+    assert_same(before, snapshot(dp))
+    dp.put_samples(["a"], "p", {"r": torch.tensor([9.0])}, mode="update")
+    assert dp.get_samples(["a"], "p", ["r"])["r"].tolist() == [9.0]
+
+
+def test_per_token_write_back_must_match_the_stored_input_lengths():
+    dp = LocalDataPlane()
+    dp.register_partition("t", [])
+    lengths = torch.tensor([5, 9, 3])
+    dp.put_samples(["x", "y", "z"], "t", {
+        INPUT_IDS: nested_from_lengths(torch.arange(17), lengths),
+        INPUT_LENGTHS: lengths,
+    })
+    with pytest.raises(ValueError, match=r"'advantages' is per-token.*\('x', 1, 5\)"):
+        dp.put_samples(["x", "y", "z"], "t", {
+            "advantages": nested_from_lengths(torch.zeros(3), torch.tensor([1, 1, 1]))})
+    assert dp.get_samples(["x"], "t", [INPUT_IDS])[INPUT_IDS][0].tolist() == [0, 1, 2, 3, 4]
+    with pytest.raises(KeyError):
+        dp.get_samples(["x"], "t", ["advantages"])
+    with pytest.raises(ValueError, match="'input_ids' is per-token"):  # inconsistent in one put
+        dp.put_samples(["w"], "t", {INPUT_IDS: nested_from_lengths(torch.arange(2), torch.tensor([2])),
+                                    INPUT_LENGTHS: torch.tensor([3])})
+
+
+# ---------------------------------------------------------------- variable rows (distributed issue §1)
+def test_a_dense_field_becomes_jagged_when_a_row_of_another_length_joins():
+    dp = LocalDataPlane()
+    dp.register_partition("s", ["tok", "n"])
+    dp.put_samples(["a"], "s", {"tok": torch.tensor([[1, 2, 3, 4, 5]]), "n": torch.tensor([5])})
+    assert not dp.get_samples(["a"], "s", ["tok"])["tok"].is_nested
+    dp.put_samples(["b"], "s", {"tok": torch.tensor([[7, 8, 9, 10, 11, 12, 13]]), "n": torch.tensor([7])})
+    dp.put_samples(["c"], "s", {"tok": nested_from_lengths(torch.tensor([1]), torch.tensor([1])),
+                                "n": torch.tensor([1])})
+    out = dp.get_samples(["a", "b", "c"], "s", ["tok"])["tok"]
+    assert out.is_nested
+    assert [r.tolist() for r in out.unbind()] == [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12, 13], [1]]
+
+
+@pytest.mark.parametrize(("value", "match"), [
+    (torch.zeros(1, 5, dtype=torch.int32), "dtype mismatch"),
+    (torch.zeros(1, 5, 2, dtype=torch.int64), "shape mismatch"),   # rank change
+    (torch.zeros(1, dtype=torch.int64), "shape mismatch"),         # rank change
+])
+def test_dtype_rank_and_trailing_changes_are_still_refused(value, match):
+    dp = LocalDataPlane()
+    dp.register_partition("s", [])
+    dp.put_samples(["a"], "s", {"tok": torch.ones(1, 5, dtype=torch.int64)})
+    with pytest.raises(TypeError, match=f"'tok' {match}"):
+        dp.put_samples(["b"], "s", {"tok": value})
+    dp.put_samples(["m"], "s", {"img": torch.ones(1, 4, 3)})
+    with pytest.raises(TypeError, match="'img' shape mismatch"):
+        dp.put_samples(["n"], "s", {"img": torch.ones(1, 4, 2)})  # trailing dim change
+    assert dp.list_sample_ids("s") == ["a", "m"]
+
+
+# ---------------------------------------------------------------- 10. memory goes back
+def test_clearing_every_row_returns_the_buffers():
+    dp = LocalDataPlane()
+    dp.register_partition("m", [])
+    n = 512
+    ids = [f"r{i}" for i in range(n)]
+    dp.put_samples(ids, "m", {"tok": nested_from_lengths(torch.arange(n * 300), torch.full((n,), 300)),
+                              "r": torch.zeros(n, 64)})
+    peak = dp.stats()["bytes_held"]
+    dp.clear_samples(ids[: n - 8], "m")  # most rows gone: compaction hands back the garbage
+    partial = dp.stats()["bytes_held"]
+    assert partial < 0.6 * peak
+    dp.clear_samples(ids, "m")
+    stats = dp.stats()
+    assert stats["rows"] == 0 and stats["live_bytes"] == 0
+    assert stats["bytes_held"] <= 0.1 * peak
+
+
+def test_capacity_bytes_refuses_a_put_that_would_pass_it_and_writes_nothing():
+    dp = LocalDataPlane(capacity_bytes=10_000)
+    dp.register_partition("c", [])
+    dp.put_samples(["a"], "c", {"x": torch.zeros(1, 1000, dtype=torch.float32)})  # 4,000 bytes
+    with pytest.raises(CapacityError, match="capacity_bytes=10000"):
+        dp.put_samples(["b", "c"], "c", {"x": torch.zeros(2, 1000, dtype=torch.float32)})
+    assert dp.list_sample_ids("c") == ["a"]
+    dp.clear_samples(["a"], "c")
+    dp.put_samples(["b", "c"], "c", {"x": torch.zeros(2, 1000, dtype=torch.float32)})
+    with pytest.raises(TypeError, match="capacity_bytes must be an int"):
+        LocalDataPlane(capacity_bytes="1GB")
+    assert LocalDataPlane().capacity_bytes > 0
+
+
+# ---------------------------------------------------------------- performance issue §1
+def test_ppo_write_back_compacts_a_bounded_number_of_times():
+    """3 epochs of 8-row write-backs over 4,096 rows compacted 523 times before the fix."""
+    dp = LocalDataPlane()
+    dp.register_partition("w", [])
+    n = 4096
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 64, (n,), generator=g)
+    ids = [f"s{i}" for i in range(n)]
+    dp.put_samples(ids, "w", {"adv": nested_from_lengths(torch.zeros(int(lengths.sum())), lengths)})
+    for _ in range(3):
+        for start in range(0, n, 8):
+            part = lengths[start : start + 8]
+            dp.put_samples(ids[start : start + 8], "w",
+                           {"adv": nested_from_lengths(torch.ones(int(part.sum())), part)})
+    # every overwrite leaves garbage equal to what it writes: one compaction per doubling
+    assert dp.compactions() <= 6
+    out = dp.get_samples(ids[:3], "w", ["adv"])["adv"]
+    assert [len(r) for r in out.unbind()] == lengths[:3].tolist()
