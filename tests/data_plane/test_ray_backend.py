@@ -11,7 +11,7 @@ import torch
 
 from tq_plugin.data_plane import DataPlaneClosedError, first_write, read_columns
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
 @pytest.fixture
@@ -79,3 +79,81 @@ def test_call_dp_drives_a_raw_actor_handle(ray_session):
     with pytest.raises(KeyError, match="unknown sample_ids"):
         call_dp(actor, "get_samples", sample_ids=["zz"], partition_id="p", select_fields=["r"])
     ray_session.kill(actor)
+
+
+def _plasma_objects(ray) -> tuple[int, int]:
+    """(MiB, objects) in this cluster's shared-memory object store."""
+    from ray._private.internal_api import memory_summary
+
+    text = memory_summary(address=ray.get_runtime_context().gcs_address, stats_only=True)
+    line = next(x for x in text.splitlines() if "Plasma memory usage" in x)
+    words = line.split()
+    return int(words[3]), int(words[5])
+
+
+@pytest.mark.timeout(120)
+def test_bulk_bytes_live_in_the_object_store_and_go_back_when_cleared(store, ray_session):
+    import time
+
+    store.register_partition("train", [])
+    _, objects_before = _plasma_objects(ray_session)
+    ids = [f"a{i}" for i in range(8)]
+    x = torch.randn(8, 1 << 18)  # 8 MiB: far above the inline threshold
+    store.put_samples(ids, "train", {"x": x})
+    mib, objects = _plasma_objects(ray_session)
+    assert mib >= 8 and objects > objects_before
+    assert store.stats()["bytes_held"] == x.numel() * 4
+    assert torch.equal(store.get_samples(ids, "train", ["x"])["x"], x)
+    store.clear_samples(ids, "train")
+    assert store.stats()["bytes_held"] == 0
+    deadline = time.monotonic() + 30  # Ray frees objects asynchronously
+    while _plasma_objects(ray_session)[1] > objects_before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _plasma_objects(ray_session)[1] == objects_before
+
+
+def test_the_actor_runs_only_the_protocol(store):
+    with pytest.raises(AttributeError, match="does not run 'close'"):
+        store._actor.call.remote(store.store, "close", {}).future().result()
+    with pytest.raises(AttributeError, match="does not run '_apply'"):
+        store._actor.call.remote(store.store, "_apply", {}).future().result()
+    assert store.list_sample_ids("nope") == []
+
+
+def test_put_options_are_forwarded_by_keyword(store):
+    store.register_partition("train", [])
+    store.put_samples(["a"], "train", {"r": torch.zeros(1)}, mode="insert")
+    with pytest.raises(ValueError, match="already exist"):
+        store.put_samples(["a"], "train", {"r": torch.ones(1)}, mode="insert")
+    with pytest.raises(KeyError, match="never written"):
+        store.put_samples(["b"], "train", {"r": torch.ones(1)}, mode="update")
+    assert store.get_samples(["a"], "train", ["r"])["r"].tolist() == [0.0]
+
+
+def test_attaching_never_creates_a_store(store):
+    from tq_plugin.data_plane.backends.ray_actor import _attach
+
+    with pytest.raises(DataPlaneClosedError, match="does not exist"):
+        _attach("no-such-store", "tq_plugin_tests", store.namespace)
+    attached = pickle.loads(pickle.dumps(store))
+    assert not attached.is_owner and attached.shared
+
+
+def test_a_dense_column_promoted_to_jagged_keeps_its_rows(store):
+    store.register_partition("train", [])
+    store.put_samples(["a", "b"], "train", {"tok": torch.tensor([[1, 2, 3], [4, 5, 6]])})
+    store.put_samples(["c"], "train", {"tok": torch.tensor([[7]])})
+    got = store.get_samples(["c", "a", "b"], "train", ["tok"])["tok"]
+    assert [r.tolist() for r in got.unbind()] == [[7], [1, 2, 3], [4, 5, 6]]
+
+
+def test_claims_see_lengths_stored_in_the_object_store(store):
+    store.register_partition("train", [], consumer_tasks=["actor"])
+    n = 9000  # int64 lengths: 72 KB, above the inline threshold
+    ids = [f"s{i}" for i in range(n)]
+    store.put_samples(ids, "train", {"input_lengths": torch.arange(n)})
+    meta = store.claim_meta("train", "actor", ["input_lengths"], batch_size=4)
+    assert meta.sample_ids == ids[:4] and meta.sequence_lengths == [0, 1, 2, 3]
+    td = store.get_data(meta)
+    assert td["input_lengths"].tolist() == [0, 1, 2, 3]
+    assert not store.check_consumption_status("train", ["actor"])
