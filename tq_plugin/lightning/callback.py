@@ -13,17 +13,31 @@ The resume cursor (steps completed, microbatches done in the current step) is th
 checkpointed state; the ``MetaDataModule`` starts from it, so a resumed fit neither re-reads nor
 re-writes a microbatch. ``state_key`` includes the role, so a Policy and a Value instance keep
 separate entries in one checkpoint.
+
+With ``checkpoint_store`` (the default) every Lightning checkpoint also saves the store
+(``on_save_checkpoint``: safetensors + JSON, no pickle) under
+``<store_dir>/<role>/step-<global step>/rank-<r>`` and records that path in the callback's
+state; ``on_load_checkpoint`` puts the rows back into the freshly built client. A step source
+wrapped by ``step_source`` then hands the interrupted step's meta back instead of generating
+the step again. An embedded store is saved by every rank (each holds its own rows); any other
+client with a ``save`` method is assumed shared and saved by global rank 0.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from tq_plugin.data_plane.backends._checkpoint import CheckpointError, load_into
+from tq_plugin.data_plane.backends.local import LocalDataPlane
 from tq_plugin.data_plane.client import call_dp
 from tq_plugin.data_plane.column_io import write_columns
 from tq_plugin.data_plane.meta import KVBatchMeta
@@ -31,6 +45,8 @@ from tq_plugin.lightning.metered import DataPlaneCounters, MeteredClient
 from tq_plugin.lightning.module import MICROBATCH_INFO, STEP_SAMPLE_IDS
 
 ClientSpec = Any  # a client, a zero-arg factory, a Hydra config with ``_target_``, or None
+StepSource = Callable[[int, Any], KVBatchMeta]  # source(step, client) -> the step meta
+_STEP_META = "step_meta"  # the store checkpoint's metadata key for the in-flight step
 
 
 def build_client(spec: ClientSpec) -> tuple[Any, bool]:
@@ -71,6 +87,9 @@ class DataPlaneCallback(Callback):
             read and written, real and padded tokens, pad fraction, seconds in the data plane
             and in the layout, each as a per-step mean over the logging window.
         log_every_n_steps: the logging window in microbatch steps (default: the Trainer's).
+        checkpoint_store: save the store with every Lightning checkpoint and put its rows back
+            on resume (a client without ``save`` is skipped with a warning).
+        store_dir: where store checkpoints go (default: ``<trainer.default_root_dir>/dataplane``).
     """
 
     def __init__(
@@ -85,6 +104,8 @@ class DataPlaneCallback(Callback):
         close_client: bool | None = None,
         log_metrics: bool = True,
         log_every_n_steps: int | None = None,
+        checkpoint_store: bool = True,
+        store_dir: str | None = None,
     ) -> None:
         if not role:
             raise ValueError("DataPlaneCallback: role must be a non-empty string")
@@ -98,6 +119,8 @@ class DataPlaneCallback(Callback):
         self.clear_rows = clear_rows
         self.log_metrics = log_metrics
         self.log_every_n_steps = log_every_n_steps
+        self.checkpoint_store = checkpoint_store
+        self.store_dir = store_dir
         self._spec = client
         self._close_client = close_client
         self.client: MeteredClient | None = None
@@ -110,6 +133,10 @@ class DataPlaneCallback(Callback):
         self.completed_steps = 0
         self.microbatches_done = 0
         self.rows_written = 0
+        self.store_path: str | None = None  # where the last checkpoint saved the store
+        self.restored_from: str | None = None  # the store checkpoint a resume put back
+        self._step_meta: dict[str, Any] | None = None  # {"step", "meta"}: last step produced
+        self._restored_step: dict[str, Any] | None = None  # the same, from a resumed store
 
     @property
     @override
@@ -241,6 +268,41 @@ class DataPlaneCallback(Callback):
             batch_size=1,
         )
 
+    # ------------------------------------------------------------------ step source
+    def step_source(self, source: StepSource) -> StepSource:
+        """Wrap a ``MetaDataModule`` step source so a resumed fit reuses the restored step.
+
+        The wrapper remembers the meta of the last step it produced (saved with the store); on
+        resume, the step whose rows came back from the store is served from that meta, and
+        ``source`` is called only for steps the checkpoint did not hold.
+        """
+
+        def produce(step: int, client: Any) -> KVBatchMeta:
+            held = self._restored_step
+            if held is not None and held["step"] == step:
+                self._restored_step = None
+                meta = KVBatchMeta(**held["meta"])
+            else:
+                meta = source(step, client)
+            self._remember_step(step, meta)
+            return meta
+
+        return produce
+
+    def _remember_step(self, step: int, meta: KVBatchMeta) -> None:
+        state = {"step": int(step), "meta": asdict(meta)}
+        try:
+            faithful = json.loads(json.dumps(state, allow_nan=False)) == state
+        except (TypeError, ValueError):
+            faithful = False
+        if not faithful:
+            rank_zero_warn(
+                f"DataPlaneCallback(role={self.role!r}): a step meta holds values JSON cannot "
+                "carry (tuples, tensors, NaN...); a fit resumed inside that step generates it "
+                "again"
+            )
+        self._step_meta = state if faithful else None
+
     # ------------------------------------------------------------------ checkpoint state
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -248,6 +310,7 @@ class DataPlaneCallback(Callback):
             "completed_steps": self.completed_steps,
             "microbatches_done": self.microbatches_done,
             "rows_written": self.rows_written,
+            "store_path": None,  # set by on_save_checkpoint once the store is saved
         }
 
     @override
@@ -255,3 +318,63 @@ class DataPlaneCallback(Callback):
         self.completed_steps = int(state_dict["completed_steps"])
         self.microbatches_done = int(state_dict["microbatches_done"])
         self.rows_written = int(state_dict.get("rows_written", 0))
+
+    def _inner(self) -> Any:
+        assert self.client is not None
+        return self.client.inner
+
+    def _store_rank(self, trainer: Trainer) -> int | None:
+        """This rank's store directory index, or None when another rank saves a shared store."""
+        if isinstance(self._inner(), LocalDataPlane):
+            return trainer.global_rank
+        return 0 if trainer.is_global_zero else None
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        state = checkpoint.get("callbacks", {}).get(self.state_key)
+        if not self.checkpoint_store or state is None or self.client is None or self._closed:
+            return  # a weights-only checkpoint resumes nothing, so it needs no rows
+        if not hasattr(self._inner(), "save"):
+            rank_zero_warn(
+                f"DataPlaneCallback(role={self.role!r}): {type(self._inner()).__name__} has no "
+                "save(); the store is not checkpointed (pass checkpoint_store=False to silence)"
+            )
+            return
+        root = Path(self.store_dir or Path(trainer.default_root_dir) / "dataplane")
+        base = root / self.role / f"step-{trainer.global_step}"
+        rank = self._store_rank(trainer)
+        if rank is not None:
+            metadata = {_STEP_META: self._step_meta} if self._step_meta else {}
+            call_dp(self._inner(), "save", path=str(base / f"rank-{rank}"), metadata=metadata)
+        self.store_path = str(base)
+        state["store_path"] = self.store_path
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        state = checkpoint.get("callbacks", {}).get(self.state_key) or {}
+        base = state.get("store_path")
+        if not self.checkpoint_store or not base or self.client is None:
+            return
+        rank = self._store_rank(trainer)
+        if rank is None:
+            return
+        path = Path(base) / f"rank-{rank}"
+        try:
+            restored = load_into(self._inner(), path)
+        except CheckpointError as err:
+            raise CheckpointError(
+                f"DataPlaneCallback(role={self.role!r}) cannot restore the store this "
+                f"checkpoint was saved with: {err}. Pass checkpoint_store=False to resume "
+                "without it (the interrupted step is then generated again)."
+            ) from err
+        self.restored_from = base
+        held = restored.metadata.get(_STEP_META)
+        if held is not None:
+            meta = held["meta"]
+            present = set(call_dp(self.client, "list_sample_ids", partition_id=meta["partition_id"]))
+            if present.issuperset(meta["sample_ids"]):
+                self._restored_step = held
