@@ -16,7 +16,8 @@ import tq_plugin
 from tq_plugin.config import PackingConfig, validate_config
 
 CONF = Path(tq_plugin.__file__).parent / "conf"
-GROUPS = ["tq/backend", "tq/staging", "tq/packing", "task", "model", "trainer", "recipe"]
+GROUPS = ["tq/backend", "tq/staging", "tq/packing", "task", "model", "trainer", "recipe",
+          "logger", "callbacks"]
 
 
 def _options(group: str) -> list[str]:
@@ -51,9 +52,18 @@ def test_every_group_has_options():
     assert _options("tq/staging") == ["media", "text"]
 
 
+def _select(compose_train, group: str, option: str) -> str:
+    """``group=option``, or ``+group=option`` while the primary config does not list the group."""
+    compose_train()
+    listed = group in HydraConfig.get().runtime.choices
+    return f"{group}={option}" if listed else f"+{group}={option}"
+
+
 @pytest.mark.parametrize(("group", "option"), CASES, ids=[f"{g}={o}" for g, o in CASES])
 def test_option_composes_validates_and_instantiates(compose_train, tmp_path, group, option):
-    cfg = compose_train(f"{group}={option}")
+    # A run sets hydra.runtime.output_dir (the loggers' save_dir); compose leaves it unset.
+    cfg = compose_train(_select(compose_train, group, option),
+                        f"hydra.runtime.output_dir={tmp_path}")
     typed = validate_config(cfg)
     node = OmegaConf.select(cfg, group.replace("/", "."))
     assert HydraConfig.get().runtime.choices[group] == option
@@ -104,6 +114,22 @@ def test_option_composes_validates_and_instantiates(compose_train, tmp_path, gro
         assert Path(trainer.default_root_dir) == tmp_path
     elif group == "recipe":
         assert typed["recipe"].algorithm == option
+    elif group == "logger":
+        from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+        from tq_plugin.lightning.instantiators import instantiate_loggers
+
+        if option == "tensorboard":
+            pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
+        (logger,) = instantiate_loggers(cfg.logger)
+        assert isinstance(logger, {"csv": CSVLogger, "tensorboard": TensorBoardLogger}[option])
+        assert Path(logger.save_dir) == tmp_path
+    elif group == "callbacks":
+        from tq_plugin.lightning.instantiators import instantiate_callbacks
+        from tq_plugin.lightning.progress import StepProgressBar
+
+        built = instantiate_callbacks(cfg.get("callbacks"))
+        assert [type(c) for c in built] == ([StepProgressBar] if option == "default" else [])
 
 
 @pytest.mark.parametrize("config_name", ["train", "ppo", "grpo"])

@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from tq_plugin.config.schema import (
     SCHEMAS,
     BackendConfig,
+    ConfigError,
     ModelConfig,
     PackingConfig,
     RayBackendConfig,
@@ -26,6 +27,7 @@ from tq_plugin.config.schema import (
 __all__ = [
     "SCHEMAS",
     "BackendConfig",
+    "ConfigError",
     "ModelConfig",
     "PackingConfig",
     "RayBackendConfig",
@@ -50,12 +52,12 @@ def validate_config(cfg: DictConfig) -> dict[str, Any]:
     * Every schema-backed section present is converted to its dataclass, which runs the
       cross-field rules (``__post_init__``), e.g. both packing modes enabled.
 
-    Raises ``ValueError`` naming the key and the rule.
+    Raises ``ConfigError`` (a ``ValueError``) naming the key and the rule.
     """
     stray = [k for k in cfg if isinstance(k, str) and "/" in k]
     if stray:
         known = ", ".join(sorted(SCHEMAS))
-        raise ValueError(
+        raise ConfigError(
             f"unknown config group(s) {stray}: Hydra added them as plain keys "
             f"({', '.join(f'{k}={cfg[k]!r}' for k in stray)}). "
             f"Known groups: {known}"
@@ -67,7 +69,7 @@ def validate_config(cfg: DictConfig) -> dict[str, Any]:
         if node is None:
             continue
         if not isinstance(node, DictConfig):
-            raise TypeError(f"{dotted}: must be a config node, got {node!r}")
+            raise ConfigError(f"{dotted}: must be a config node, got {node!r}")
         # The option's own schema when it extends one (tq/backend=ray), else the group's.
         declared = OmegaConf.get_type(node)
         if dataclasses.is_dataclass(declared):
@@ -75,6 +77,6 @@ def validate_config(cfg: DictConfig) -> dict[str, Any]:
         data = OmegaConf.to_container(node, resolve=True)
         unknown = sorted(set(data) - {f for f in schema.__dataclass_fields__})
         if unknown:
-            raise ValueError(f"{dotted}: unknown key(s) {unknown}")
+            raise ConfigError(f"{dotted}: unknown key(s) {unknown}")
         typed[dotted] = schema(**data)
     return typed

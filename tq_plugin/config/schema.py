@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+from hydra.errors import CompactHydraException
 
 PROVIDER = "tq_plugin"
 
@@ -28,8 +29,17 @@ PIXEL_DTYPES = ("float32", "float16", "bfloat16")
 ALGORITHMS = ("ppo", "grpo")
 
 
+class ConfigError(CompactHydraException, ValueError):
+    """A config value breaks a rule; the message names the user-facing key and the rule.
+
+    A ``CompactHydraException``, so a Hydra app that lets it escape prints the message alone
+    (Hydra's convention for config errors); ``HYDRA_FULL_ERROR=1`` shows the whole trace. It is
+    also a ``ValueError``, so ``except ValueError`` keeps working.
+    """
+
+
 def _fail(key: str, rule: str) -> None:
-    raise ValueError(f"{key}: {rule}")
+    raise ConfigError(f"{key}: {rule}")
 
 
 def _positive(key: str, value: float, *, allow_zero: bool = False) -> None:
@@ -160,6 +170,8 @@ class PackingConfig:
                                  "sequence_length_round": self.sequence_length_round, **tokens},
             "make_sequence_length_divisible_by": self.sequence_length_pad_multiple,
             "train_micro_batch_size": self.micro_batch_size,
+            # Errors about a budget name the key the user set, e.g. tq.packing.train_mb_tokens.
+            "config_key_prefix": "tq.packing",
         }
 
     def host_attributes(self) -> dict[str, Any]:

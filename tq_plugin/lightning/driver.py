@@ -14,6 +14,7 @@ from typing import Any
 
 from tensordict import TensorDict
 
+from tq_plugin.config.schema import ConfigError
 from tq_plugin.data_plane.column_io import read_columns, round_up, write_columns
 from tq_plugin.data_plane.meta import KVBatchMeta
 from tq_plugin.data_plane.schema import GLOBAL_FORWARD_PAD_SEQLEN, PAD_TO_MULTIPLE
@@ -21,8 +22,11 @@ from tq_plugin.data_plane.schema import GLOBAL_FORWARD_PAD_SEQLEN, PAD_TO_MULTIP
 MB_TOKENS_KEYS = ("logprob_mb_tokens", "train_mb_tokens")
 
 
-class PackingConfigError(ValueError):
-    """The host's packing attributes contradict each other."""
+class PackingConfigError(ConfigError):
+    """The host's packing attributes contradict each other, or a token budget cannot hold a row.
+
+    A ``ConfigError`` (so a ``ValueError``): a Hydra app prints its message alone.
+    """
 
 
 def _check_packing_modes(use_sequence_packing: bool, use_dynamic_batches: bool) -> None:
@@ -63,7 +67,7 @@ class TQDriverMixin:
         self.sequence_packing_args = dict(sequence_packing_args) if sequence_packing_args else None
         self.dynamic_batching_args = dict(dynamic_batching_args) if dynamic_batching_args else None
 
-    def _packing_args(
+    def packing_args(
         self, mb_tokens_key: str
     ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         """Resolve ``(sequence_packing_args, dynamic_batching_args)`` for a given stage.
@@ -74,7 +78,7 @@ class TQDriverMixin:
         """
         if mb_tokens_key not in MB_TOKENS_KEYS:
             raise ValueError(
-                f"_packing_args: mb_tokens_key must be one of {list(MB_TOKENS_KEYS)}, "
+                f"packing_args: mb_tokens_key must be one of {list(MB_TOKENS_KEYS)}, "
                 f"got {mb_tokens_key!r}"
             )
         dynamic = bool(getattr(self, "use_dynamic_batches", False))
@@ -90,7 +94,20 @@ class TQDriverMixin:
             return args, None
         return None, None
 
-    def _stamp_pad_seqlen(self, meta: KVBatchMeta) -> None:
+    def packing_config_key(self, mb_tokens_key: str) -> str:
+        """The user-facing name of a token budget, for error messages.
+
+        ``cfg["config_key_prefix"]`` (``PackingConfig.model_cfg()`` sets ``"tq.packing"``) gives
+        ``tq.packing.train_mb_tokens``; without it, the path inside ``cfg``.
+        """
+        cfg = getattr(self, "cfg", None) or {}
+        prefix = cfg.get("config_key_prefix")
+        if prefix:
+            return f"{prefix}.{mb_tokens_key}"
+        mode = "sequence_packing" if getattr(self, "use_sequence_packing", False) else "dynamic_batching"
+        return f"cfg[{mode!r}][{mb_tokens_key!r}]"
+
+    def stamp_pad_seqlen(self, meta: KVBatchMeta) -> None:
         """Mint ``GLOBAL_FORWARD_PAD_SEQLEN`` onto ``meta.extra_info`` (idempotent).
 
         Cross-DP forward pad target: the max over the *whole* meta, so shards cut from it
@@ -99,14 +116,14 @@ class TQDriverMixin:
         """
         if not meta.sequence_lengths or GLOBAL_FORWARD_PAD_SEQLEN in meta.extra_info:
             return
-        _, dynamic_args = self._packing_args("train_mb_tokens")
+        _, dynamic_args = self.packing_args("train_mb_tokens")
         seq_round = int(dynamic_args["sequence_length_round"]) if dynamic_args else 1
         pad_multiple = int(meta.extra_info.get(PAD_TO_MULTIPLE, 1))
         meta.extra_info[GLOBAL_FORWARD_PAD_SEQLEN] = round_up(
             max(meta.sequence_lengths), max(pad_multiple, seq_round)
         )
 
-    def _isolated_meta(
+    def isolated_meta(
         self, meta: KVBatchMeta, *, fields: Sequence[str], task_name: str
     ) -> KVBatchMeta:
         """Narrow ``meta`` for one model's dispatch and mint it a fresh pad target.
@@ -127,7 +144,7 @@ class TQDriverMixin:
             extra_info=extra,
             tags=None if meta.tags is None else [dict(t) for t in meta.tags],
         )
-        self._stamp_pad_seqlen(isolated)
+        self.stamp_pad_seqlen(isolated)
         return isolated
 
     def read_from_dataplane(
@@ -142,7 +159,7 @@ class TQDriverMixin:
         Stamps the caller's meta in place (idempotently) first, so driver reads come back at
         the same dim 1 the training steps use.
         """
-        self._stamp_pad_seqlen(meta)
+        self.stamp_pad_seqlen(meta)
         return read_columns(
             self.dp_client, meta, list(select_fields), pad_value_dict=pad_value_dict
         )
@@ -150,3 +167,8 @@ class TQDriverMixin:
     def write_to_dataplane(self, meta: KVBatchMeta, fields: Mapping[str, Any]) -> None:
         """Write driver-computed columns under ``meta``'s keys (per-token ones land jagged)."""
         write_columns(self.dp_client, meta, fields)
+
+    # The seed's (NeMo RL's) underscored names, kept for code written against it.
+    _packing_args = packing_args
+    _stamp_pad_seqlen = stamp_pad_seqlen
+    _isolated_meta = isolated_meta

@@ -24,7 +24,7 @@ from tq_plugin.data_plane.schema import (
     MICRO_BATCH_INDICES,
     MICRO_BATCH_LENGTHS,
 )
-from tq_plugin.lightning.driver import TQDriverMixin
+from tq_plugin.lightning.driver import PackingConfigError, TQDriverMixin
 from tq_plugin.lightning.module import (
     MICRO_BATCH_LENGTH,
     MICROBATCH_INFO,
@@ -33,6 +33,8 @@ from tq_plugin.lightning.module import (
 )
 
 ROW_PLACEMENTS = ("shared", "local")
+# The planners' name for a token budget; errors are reworded with the key the user set.
+BUDGET_ARG = "max_tokens_per_microbatch"
 ReduceMax = Callable[[list[int]], list[int]]
 ShardFn = Callable[..., tuple[list[KVBatchMeta], Any]]
 _PLAN_KEYS = (MICRO_BATCH_INDICES, MICRO_BATCH_LENGTHS, ELEM_COUNTS_PER_GB)
@@ -109,21 +111,27 @@ def plan_step(
         )
     if micro_batch_size is None:
         micro_batch_size = (getattr(host, "cfg", None) or {}).get("train_micro_batch_size")
-    sp_args, db_args = host._packing_args(mb_tokens_key)
-    isolated = host._isolated_meta(meta, fields=fields, task_name=task_name)
+    sp_args, db_args = host.packing_args(mb_tokens_key)
+    isolated = host.isolated_meta(meta, fields=fields, task_name=task_name)
     if rows == "shared":
         dp_world, shard_rank, batch_size = world_size, rank, global_batch_size
     else:
         dp_world, shard_rank = 1, 0
         batch_size = None if global_batch_size is None else global_batch_size // world_size
     if isolated.size:
-        shards, _ = (shard_fn or default_shard_fn)(
-            isolated,
-            dp_world=dp_world,
-            batch_size=batch_size,
-            sequence_packing_args=sp_args,
-            dynamic_batching_args=db_args,
-        )
+        try:
+            shards, _ = (shard_fn or default_shard_fn)(
+                isolated,
+                dp_world=dp_world,
+                batch_size=batch_size,
+                sequence_packing_args=sp_args,
+                dynamic_batching_args=db_args,
+            )
+        except ValueError as exc:
+            if BUDGET_ARG not in str(exc):
+                raise
+            key = host.packing_config_key(mb_tokens_key)
+            raise PackingConfigError(str(exc).replace(BUDGET_ARG, key)) from exc
         shard = shards[shard_rank]
     else:
         shard = isolated
@@ -149,8 +157,13 @@ def plan_step(
     if sp_args is not None:
         base[PACK_PAD_MULTIPLE] = int(sp_args.get("sequence_length_pad_multiple", 1))
     total = sum(len(gb) for gb in plan)
+    seq = shard.sequence_lengths or []
     out: list[KVBatchMeta] = []
     for g, gb in enumerate(plan):
+        # The loss normalizer: real tokens of this rank's part of the global batch, the same
+        # whatever the packing mode cut it into.
+        gb_tokens = sum(sum(seq[s:e]) for s, e in gb)
+        gb_rows = sum(e - s for s, e in gb)
         for j, (start, end) in enumerate(gb):
             mb = shard.slice(start, end) if end > start else shard.subset([])
             extra = dict(base)
@@ -166,6 +179,8 @@ def plan_step(
                 "index_in_step": epoch * total + len(out),
                 "last_in_global_batch": j == len(gb) - 1,
                 "last_in_step": last,
+                "global_batch_tokens": gb_tokens,
+                "global_batch_rows": gb_rows,
             }
             if last:
                 extra[STEP_SAMPLE_IDS] = list(shard.sample_ids)

@@ -12,6 +12,7 @@ import csv
 import json
 import resource
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,38 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+# Per-microbatch sums the training step reports; a step's (or a global batch's) figures are
+# ratios of these sums, so they do not depend on how the rows were cut into microbatches.
+SUMMED_STATS = ("loss", "value_loss", "clipped_tokens", "action_tokens", "kl_sum",
+                "entropy_sum", "real_tokens", "padded_tokens", "seconds")
+
+
+def add_stats(acc: dict[str, float], stats: Mapping[str, float]) -> None:
+    for key in SUMMED_STATS:
+        acc[key] = acc.get(key, 0.0) + float(stats.get(key, 0.0))
+
+
+def rl_metrics(acc: Mapping[str, float], global_batches: int) -> dict[str, float]:
+    """Means per global batch (one optimizer step) from summed microbatch stats.
+
+    A microbatch's ``loss`` is already divided by its global batch's normalizer, so the sum over
+    a global batch is that batch's loss under every packing mode. ``clipfrac``, ``approx_kl``
+    and ``entropy`` are per action token: clipped tokens over action tokens is a fraction, in
+    [0, 1] by construction.
+    """
+    n = max(int(global_batches), 1)
+    actions = max(acc.get("action_tokens", 0.0), 1.0)
+    seconds = acc.get("seconds", 0.0)
+    return {
+        "loss": acc.get("loss", 0.0) / n,
+        "value_loss": acc.get("value_loss", 0.0) / n,
+        "clipfrac": acc.get("clipped_tokens", 0.0) / actions,
+        "approx_kl": acc.get("kl_sum", 0.0) / actions,
+        "entropy": acc.get("entropy_sum", 0.0) / actions,
+        "tokens_per_s": acc.get("real_tokens", 0.0) / seconds if seconds else 0.0,
+    }
+
+
 @dataclass
 class _Step:
     step: int
@@ -53,19 +86,26 @@ class _Step:
     prepare_s: float
     failed_calls: int
     lp_gap: float = 0.0
-    real_tokens: float = 0.0
-    padded_tokens: float = 0.0
-    train_s: float = 0.0
     microbatches: int = 0
-    loss: float = 0.0
-    clipfrac: float = 0.0
-    approx_kl: float = 0.0
-    value_loss: float = 0.0
+    global_batches: int = 0
     dp_bytes: int = 0
-    extra: dict[str, float] = field(default_factory=dict)
+    sums: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def real_tokens(self) -> float:
+        return self.sums.get("real_tokens", 0.0)
+
+    @property
+    def padded_tokens(self) -> float:
+        return self.sums.get("padded_tokens", 0.0)
+
+    @property
+    def train_s(self) -> float:
+        return self.sums.get("seconds", 0.0)
 
     def row(self) -> dict[str, Any]:
         padded = self.padded_tokens or 1.0
+        m = rl_metrics(self.sums, self.global_batches)
         return {
             "step": self.step,
             "reward": round(self.reward, 5),
@@ -74,12 +114,14 @@ class _Step:
             "train_tokens": int(self.real_tokens),
             "processed_tokens": int(self.padded_tokens),
             "padded_fraction": round(1.0 - self.real_tokens / padded, 5),
-            "tokens_per_s": round(self.real_tokens / self.train_s, 1) if self.train_s else 0.0,
+            "tokens_per_s": round(m["tokens_per_s"], 1),
             "microbatches": self.microbatches,
-            "loss": round(self.loss, 5),
-            "clipfrac": round(self.clipfrac, 5),
-            "approx_kl": round(self.approx_kl, 6),
-            "value_loss": round(self.value_loss, 5),
+            "optimizer_steps": self.global_batches,
+            "loss": round(m["loss"], 5),
+            "clipfrac": round(m["clipfrac"], 5),
+            "approx_kl": round(m["approx_kl"], 6),
+            "value_loss": round(m["value_loss"], 5),
+            "entropy": round(m["entropy"], 5),
             "rollout_s": round(self.rollout_s, 4),
             "prepare_s": round(self.prepare_s, 4),
             "train_s": round(self.train_s, 4),
@@ -90,10 +132,18 @@ class _Step:
 
 
 class MetricsLog:
+    """Collects one row per RL step.
+
+    Lightning's dataloader fetches one batch ahead, so step ``s + 1`` is prepared (its rollouts
+    generated, ``on_step_ready`` called) before step ``s``'s last microbatch has trained: each
+    microbatch is booked on the step its meta names, never on "the latest step".
+    """
+
     def __init__(self, output_dir: Path, *, packing: str) -> None:
         self.output_dir = output_dir
         self.packing = packing
         self.steps: list[_Step] = []
+        self._by_step: dict[int, _Step] = {}
         self.start = time.perf_counter()
         self._dp_last = 0
         self._max_mb_tokens = 0
@@ -106,25 +156,20 @@ class MetricsLog:
         if self.steps:
             self.steps[-1].dp_bytes = total - self._dp_last
             self._dp_last = total
-        self.steps.append(_Step(step, float(rewards.mean()), float(turn_scores[:, 0].mean()),
-                                float(turn_scores[:, -1].mean()), rollout_s, prepare_s, failed_calls,
-                                lp_gap))
+        row = _Step(step, float(rewards.mean()), float(turn_scores[:, 0].mean()),
+                    float(turn_scores[:, -1].mean()), rollout_s, prepare_s, failed_calls, lp_gap)
+        self.steps.append(row)
+        self._by_step[step] = row
         self._dp_total = total
 
-    def on_microbatch(self, meta: KVBatchMeta, stats: dict[str, float]) -> None:
-        s = self.steps[-1]
+    def on_microbatch(self, meta: KVBatchMeta, stats: Mapping[str, float]) -> None:
         info = meta.extra_info[MICROBATCH_INFO]
-        s.real_tokens += stats.get("real_tokens", 0.0)
-        s.padded_tokens += stats.get("padded_tokens", 0.0)
+        s = self._by_step[int(info["step"])]
+        add_stats(s.sums, stats)
         self._max_mb_tokens = max(self._max_mb_tokens, int(stats.get("padded_tokens", 0)))
-        s.train_s += stats["seconds"]
         s.microbatches += 1
-        for key in ("loss", "clipfrac", "approx_kl", "value_loss"):
-            setattr(s, key, getattr(s, key) + stats.get(key, 0.0))
-        if info["last_in_step"]:
-            n = max(s.microbatches, 1)
-            for key in ("loss", "clipfrac", "approx_kl", "value_loss"):
-                setattr(s, key, getattr(s, key) / n)
+        if info["last_in_global_batch"]:
+            s.global_batches += 1
 
     def summary(self, dp_total_bytes: int) -> dict[str, Any]:
         rows = [s.row() for s in self.steps]

@@ -36,6 +36,7 @@ from tq_plugin.lightning.driver import TQDriverMixin
 from tq_plugin.lightning.layout import POSITION_IDS, SEGMENT_IDS
 from tq_plugin.lightning.module import MICROBATCH_INFO, MetaBatchMixin
 from tq_plugin.lightning.plan import plan_step
+from tq_plugin.rl.metrics import add_stats, rl_metrics
 from tq_plugin.rl.model import TinyTransformer, entropy, shift_values, token_logprobs
 from tq_plugin.staging import MEDIA_IMGS_FIELD
 
@@ -65,10 +66,43 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         # What a training microbatch reads; other passes read what their meta names.
         self.train_fields = POLICY_TRAIN_FIELDS + (VALUE_TRAIN_FIELDS if value is not None else [])
         self.automatic_optimization = False
-        self.loss_norm = 1  # action tokens of one global batch, set by the recipe each step
-        self.current_reward = 0.0  # the step's mean rollout reward, shown in the progress bar
         self.step_hook: Any = None  # called with (meta, stats) after each microbatch
         self.train_seconds = 0.0
+        # Per RL step, keyed by step: the dataloader prepares step s + 1 (and the recipe sets
+        # its normalizer and reward) before step s's last microbatch has trained.
+        self._loss_norms: dict[int, float] = {}
+        self._rewards: dict[int, float] = {}
+        self._preparing: int | None = None
+        self._pending_reward = 0.0
+        self._gb_stats: dict[str, float] = {}
+
+    # The recipe sets both while it prepares a step (reward first, the normalizer after the
+    # step's forward passes): they are recorded against that step, not "the latest" one.
+    @property
+    def loss_norm(self) -> float:
+        """Action tokens of one global batch of the step being prepared (the loss normalizer)."""
+        return self._loss_norms.get(self._preparing, 1.0)
+
+    @loss_norm.setter
+    def loss_norm(self, value: float) -> None:
+        self._loss_norms[self._preparing] = float(value)
+
+    @property
+    def current_reward(self) -> float:
+        """The mean rollout reward of the step being prepared (logged as ``rl/reward``)."""
+        return self._rewards.get(self._preparing, self._pending_reward)
+
+    @current_reward.setter
+    def current_reward(self, value: float) -> None:
+        self._pending_reward = float(value)
+
+    def _begin_step(self, step: int) -> None:
+        if self._preparing != step:
+            self._preparing = step
+            self._rewards[step] = self._pending_reward
+            for old in [k for k in self._rewards if k < step - 2]:
+                self._rewards.pop(old, None)
+                self._loss_norms.pop(old, None)
 
     # ------------------------------------------------------------------ model inputs
     def _inputs(self, td: Any, meta: KVBatchMeta) -> dict[str, Any]:
@@ -95,6 +129,7 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         policy's dispatch), in microbatches under the ``logprob_mb_tokens`` budget and in the
         training layout; each microbatch's output goes back as rows (``dp_rows``).
         """
+        self._begin_step(step)
         model, field = (self.policy, PREV_LOGPROBS) if role == "policy" else (self.value, VALUES)
         task = "prev_lp" if role == "policy" else "value_fwd"
         was_training = model.training
@@ -122,7 +157,8 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         start = time.perf_counter()
         meta = self.dp_meta
         info = meta.extra_info[MICROBATCH_INFO]
-        norm = float(self.loss_norm)
+        step = int(info["step"])
+        norm = self._loss_norms.get(step, 1.0)
         mask = td[TOKEN_MASK].float()
         mask = mask * self._row_values(td[SAMPLE_MASK], mask)
         ids = td[INPUT_IDS]
@@ -136,13 +172,16 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         clipped = ratio.clamp(1.0 - self.rc.clip_eps, 1.0 + self.rc.clip_eps)
         pg = -torch.minimum(ratio * adv, clipped * adv)
         loss = (pg * mask).sum() / norm
+        ent = entropy(logits) * mask
+        if self.rc.entropy_coef:
+            loss = loss - self.rc.entropy_coef * ent.sum() / norm
         with torch.no_grad():
             stats = {
-                "clipfrac": float((((ratio - 1.0).abs() > self.rc.clip_eps).float() * mask).sum() / norm),
-                "approx_kl": float(((ratio - 1.0 - log_ratio) * mask).sum() / norm),
+                "clipped_tokens": float((((ratio - 1.0).abs() > self.rc.clip_eps).float() * mask).sum()),
+                "action_tokens": float(mask.sum()),
+                "kl_sum": float(((ratio - 1.0 - log_ratio) * mask).sum()),
+                "entropy_sum": float(ent.detach().sum()),
             }
-        if self.rc.entropy_coef:
-            loss = loss - self.rc.entropy_coef * (entropy(logits) * mask).sum() / norm
         if self.value is not None:
             v = shift_values(self.value(ids, **inputs))
             old_v, ret = td[VALUES], td[RETURNS]
@@ -162,9 +201,26 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         stats.update(loss=float(loss.detach()), seconds=elapsed, **self.dp_batch_stats)
         if self.step_hook is not None:
             self.step_hook(meta, stats)
-        self.log_dict({"reward": self.current_reward, "rl_step": float(info["step"])},
-                      prog_bar=True, on_step=True, on_epoch=False, batch_size=max(meta.size, 1))
+        self._log_global_batch(info, stats, batch_size=max(meta.size, 1))
         return {"loss": loss.detach()}
+
+    def _log_global_batch(self, info: dict[str, Any], stats: dict[str, float],
+                          batch_size: int) -> None:
+        """``rl/*`` through ``self.log``, once per global batch (one optimizer step), so every
+        configured Lightning logger receives the same figures the recipe's CSV holds."""
+        add_stats(self._gb_stats, stats)
+        if not info["last_in_global_batch"]:
+            return
+        figures = rl_metrics(self._gb_stats, 1)
+        self._gb_stats = {}
+        if self.value is None:
+            figures.pop("value_loss")
+        step = int(info["step"])
+        logged = {f"rl/{k}": v for k, v in figures.items()}
+        logged["rl/step"] = float(step)
+        self.log_dict(logged, on_step=True, on_epoch=False, batch_size=batch_size)
+        self.log_dict({"rl/reward": self._rewards.get(step, self._pending_reward)},
+                      prog_bar=True, on_step=True, on_epoch=False, batch_size=batch_size)
 
     @staticmethod
     def _row_values(per_row: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
