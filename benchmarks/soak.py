@@ -126,15 +126,15 @@ def main() -> dict[str, Any]:
     markdown = "\n".join([
         "## Staging soak (8 threads, embedded store)",
         "",
-        f"{r['calls']:,} calls staged, finalized in groups of {GROUP} rollouts and cleared, "
+        (f"{r['calls']:,} calls staged, finalized in groups of {GROUP} rollouts and cleared, "
         f"{r['threads']} threads (`python -m benchmarks.run_all soak`). Absolute figures: "
-        "box-dependent.",
+        "box-dependent."),
         "",
         "| calls/s | stage p50 | stage p99 | RSS start → peak → end | bytes held: peak → end |",
         "| --- | --- | --- | --- | --- |",
-        f"| {r['calls_per_s']:,.0f} | {r['p50_us']:.0f} µs | {r['p99_us']:.0f} µs | "
+        (f"| {r['calls_per_s']:,.0f} | {r['p50_us']:.0f} µs | {r['p99_us']:.0f} µs | "
         f"{r['rss_start_mb']:.0f} → {r['rss_peak_mb']:.0f} → {r['rss_end_mb']:.0f} MB | "
-        f"{r['bytes_held_peak'] / 1e6:.1f} MB → {r['bytes_held_end'] / 1e6:.3f} MB |",
+        f"{r['bytes_held_peak'] / 1e6:.1f} MB → {r['bytes_held_end'] / 1e6:.3f} MB |"),
     ])
     print(markdown)
     return {"markdown": markdown, **r}
