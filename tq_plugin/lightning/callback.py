@@ -17,9 +17,9 @@ separate entries in one checkpoint.
 With ``checkpoint_store`` (the default) every Lightning checkpoint also saves the store
 (``on_save_checkpoint``: safetensors + JSON, no pickle) under
 ``<store_dir>/<role>/step-<global step>/rank-<r>`` and records that path in the callback's
-state; ``on_load_checkpoint`` puts the rows back into the freshly built client. A step source
-wrapped by ``step_source`` then hands the interrupted step's meta back instead of generating
-the step again. An embedded store is saved by every rank (each holds its own rows); any other
+state; ``on_load_checkpoint`` puts the rows back into the freshly built client. The role's
+``MetaDataModule`` source, wrapped by ``step_source`` in ``setup``, then hands the interrupted
+step's meta back instead of generating the step again. An embedded store is saved by every rank (each holds its own rows); any other
 client with a ``save`` method is assumed shared and saved by global rank 0.
 """
 
@@ -162,6 +162,16 @@ class DataPlaneCallback(Callback):
         for spec in self.partitions:
             call_dp(self.client, "register_partition", **spec)
         self._last = self.client.snapshot()
+        self._wrap_datamodule_source(trainer)
+
+    def _wrap_datamodule_source(self, trainer: Trainer) -> None:
+        """Route this role's ``MetaDataModule`` source through ``step_source`` (once)."""
+        dm = getattr(trainer, "datamodule", None)
+        source = getattr(dm, "source", None)
+        if not self.checkpoint_store or not callable(source) or getattr(dm, "role", None) != self.role:
+            return
+        if getattr(source, "resumes_for", None) is not self:
+            dm.source = self.step_source(getattr(source, "__wrapped__", source))
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -270,11 +280,12 @@ class DataPlaneCallback(Callback):
 
     # ------------------------------------------------------------------ step source
     def step_source(self, source: StepSource) -> StepSource:
-        """Wrap a ``MetaDataModule`` step source so a resumed fit reuses the restored step.
+        """Wrap a step source so a resumed fit reuses the restored step instead of making it.
 
         The wrapper remembers the meta of the last step it produced (saved with the store); on
         resume, the step whose rows came back from the store is served from that meta, and
-        ``source`` is called only for steps the checkpoint did not hold.
+        ``source`` is called only for steps the checkpoint did not hold. ``setup`` applies it
+        to the source of this role's ``MetaDataModule``; call it yourself for another loader.
         """
 
         def produce(step: int, client: Any) -> KVBatchMeta:
@@ -287,6 +298,8 @@ class DataPlaneCallback(Callback):
             self._remember_step(step, meta)
             return meta
 
+        produce.resumes_for = self  # type: ignore[attr-defined]
+        produce.__wrapped__ = source  # type: ignore[attr-defined]
         return produce
 
     def _remember_step(self, step: int, meta: KVBatchMeta) -> None:

@@ -511,10 +511,7 @@ def load_into(client: Any, path: str | os.PathLike[str]) -> Restored:
         if not claimed:
             continue
         if isinstance(client, LocalDataPlane):
-            with client._lock:
-                part = client._partition(e.partition_id)
-                for task, ids in claimed.items():
-                    part.consumed.setdefault(task, set()).update(ids)
+            _restore_claims(client, e.partition_id, claimed)
         else:
             warnings.warn(
                 f"load: claims of partition {e.partition_id!r} are not restored into a "
@@ -524,6 +521,20 @@ def load_into(client: Any, path: str | os.PathLike[str]) -> Restored:
                 stacklevel=2,
             )
     return Restored([lp.entry.partition_id for lp in loaded], metadata)
+
+
+def _restore_claims(
+    store: LocalDataPlane, partition_id: str, claimed: dict[str, list[str]]
+) -> None:
+    """Mark rows claimed the way ``claim_meta`` does (the public API cannot name the rows)."""
+    with store._lock:
+        part = store._partition(partition_id)
+        for task, ids in claimed.items():
+            part.consumed.setdefault(task, set()).update(ids)
+            pending = part.pending.get(task)
+            if pending is not None:
+                for sid in ids:
+                    pending.pop(sid, None)
 
 
 def load_store(path: str | os.PathLike[str]) -> LocalDataPlane:
