@@ -29,8 +29,9 @@ TRAIN = "train"
 
 
 def _one(chain, rollout_id, generated=(2,), call_id="c0"):
-    (record,) = chain(rollout_id, [([1], list(generated), [-0.5] * len(generated))],
-                      call_ids=[call_id])
+    (record,) = chain(
+        rollout_id, [([1], list(generated), [-0.5] * len(generated))], call_ids=[call_id]
+    )
     return record
 
 
@@ -47,7 +48,8 @@ def test_a_failed_restage_never_deletes_the_acknowledged_row(
     assert text_sink.stage(acked).ok
     different = _one(chain, "r", generated=(7, 8))  # same key, other bytes
     client.fail_put = (
-        ValueError("store rejected the put") if fault == "store-rejection"
+        ValueError("store rejected the put")
+        if fault == "store-rejection"
         else ConnectionError("reset before anything was written")
     )
     result = text_sink.stage(different)

@@ -50,6 +50,7 @@ STATUS_OK = "ok"
 # Per-row tag: a hash of what the row was finalized from (sample id, rollout, staged keys and
 # digests, reward), so a retried finalize recognizes the rows its earlier attempt wrote.
 FINALIZED_FROM_TAG = "finalized_from"
+FINALIZED_FIELDS_TAG = "finalized_fields"  # the columns that write put, comma-separated
 REASSEMBLED_FIELDS = (
     INPUT_IDS,
     INPUT_LENGTHS,
@@ -164,8 +165,10 @@ class RolloutReassembler:
                 self._verify(receipts[i], outcomes[i], fetched[i])
         if self.capture_media:
             self._attach_media(outcomes, fetched)
+        batch = self._batch(outcomes)
+        written = ",".join(batch)
         meta = first_write(
-            self._batch(outcomes),
+            batch,
             sample_ids=ids,
             client=self.dp_client,
             partition_id=partition_id,
@@ -173,7 +176,12 @@ class RolloutReassembler:
             task_name=task_name,
             pad_to_multiple=pad_to_multiple,
             tags=[
-                {"rollout_id": o.rollout_id, STATUS_TAG: o.status, FINALIZED_FROM_TAG: origin}
+                {
+                    "rollout_id": o.rollout_id,
+                    STATUS_TAG: o.status,
+                    FINALIZED_FROM_TAG: origin,
+                    FINALIZED_FIELDS_TAG: written,
+                }
                 for o, origin in zip(outcomes, origins)
             ],
         )
@@ -190,10 +198,12 @@ class RolloutReassembler:
     ) -> tuple[list[int], list[str], list[dict[str, Any]]] | None:
         """``(lengths, fields, tags)`` when an earlier attempt wrote exactly this group, else None.
 
-        Rows count as this group's only when every id is present and its tag says it was
-        finalized from the same receipt; a missing id (``KeyError``) means a fresh finalize.
-        A store without ``get_tags`` cannot tell, and is finalized afresh. Any other read
-        failure raises: whether the group was written is unknown, and the caller retries.
+        The group counts as written only when every id is tagged as finalized from the same
+        receipt and every column the tags name reads back (a put that stopped part-way
+        leaves tags but not every column: its rows are dropped and the group is finalized
+        afresh). A missing id (``KeyError``) means a fresh finalize. A store without
+        ``get_tags`` cannot tell, and is finalized afresh. Any other read failure raises:
+        whether the group was written is unknown, and the caller retries.
         """
         if not hasattr(self.dp_client, "get_tags"):
             return None
@@ -201,38 +211,43 @@ class RolloutReassembler:
             tags = call_dp(self.dp_client, "get_tags", sample_ids=ids, partition_id=partition_id)
         except KeyError:
             return None
-        if len(tags) != len(ids) or any(
-            t.get(FINALIZED_FROM_TAG) != origin for t, origin in zip(tags, origins)
+        if len(tags) != len(ids):
+            raise StagingReadError(
+                f"finalize_group: get_tags returned {len(tags)} rows for {len(ids)} ids"
+            )
+        if any(t.get(FINALIZED_FROM_TAG) != origin for t, origin in zip(tags, origins)):
+            return None
+        fields = str(tags[0].get(FINALIZED_FIELDS_TAG, "")).split(",")
+        if INPUT_LENGTHS not in fields or any(
+            t.get(FINALIZED_FIELDS_TAG) != tags[0].get(FINALIZED_FIELDS_TAG) for t in tags
         ):
             return None
-        fields = [INPUT_IDS, TOKEN_MASK, GENERATION_LOGPROBS, INPUT_LENGTHS, SAMPLE_MASK]
-        if self.reward_field is not None:
-            fields.append(self.reward_field)
+        try:
+            td = self._read_back(ids, partition_id, fields)
+        except StagingReadError:
+            raise  # a short read says nothing about the rows: the caller retries
+        except KeyError:
+            # A put that stopped part-way: these rows carry this group's own tags and were
+            # never handed to anyone, so they are dropped and the group is finalized afresh.
+            call_dp(self.dp_client, "clear_samples", sample_ids=ids, partition_id=partition_id)
+            return None
+        return [int(x) for x in td[INPUT_LENGTHS].tolist()], fields, [dict(t) for t in tags]
+
+    def _read_back(self, ids: list[str], partition_id: str, fields: list[str]) -> Any:
+        """Every column of the group's rows, or ``KeyError`` when some row lacks one."""
         td = call_dp(
             self.dp_client,
             "get_samples",
             sample_ids=ids,
             partition_id=partition_id,
-            select_fields=[INPUT_LENGTHS, SAMPLE_MASK],
+            select_fields=fields,
         )
         if tuple(td.batch_size) != (len(ids),):
             raise StagingReadError(
                 f"finalize_group: read-back of {len(ids)} finalized rows returned "
                 f"{tuple(td.batch_size)}"
             )
-        if self.capture_media and bool((td[SAMPLE_MASK] > 0).any()):
-            try:
-                call_dp(
-                    self.dp_client,
-                    "get_samples",
-                    sample_ids=ids,
-                    partition_id=partition_id,
-                    select_fields=[MEDIA_IMGS_FIELD],
-                )
-                fields.extend(REASSEMBLED_MEDIA_FIELDS)
-            except KeyError:
-                pass  # the group had no media
-        return [int(x) for x in td[INPUT_LENGTHS].tolist()], fields, [dict(t) for t in tags]
+        return td
 
     def _outcome(self, receipt: Any, index: int) -> _Outcome:
         status = _preflight_status(receipt)

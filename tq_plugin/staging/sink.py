@@ -187,9 +187,9 @@ class TQTokenSink:
             self.store.put(key, fields, tags=tags)
         except Exception as exc:  # noqa: BLE001 - settled below, then reported
             if self._settle_failed_write(key, fields):
-                logger.warning(
-                    "TQTokenSink.stage: the put of %s raised (%s: %s) but the complete row "
-                    "is durable; staged",
+                logger.info(
+                    "TQTokenSink.stage: the put of %s raised (%s: %s) but the row holds "
+                    "exactly this call; staged",
                     key,
                     type(exc).__name__,
                     exc,

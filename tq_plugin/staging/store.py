@@ -7,6 +7,7 @@ Per-token and byte columns are declared jagged, so each one-row put hands plain 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -101,6 +102,14 @@ def register_staging_partition(
     )
 
 
+def _accepts_put_mode(dp_client: Any) -> bool:
+    """Whether ``dp_client.put_samples`` declares a ``mode`` keyword (insert / update / upsert)."""
+    try:
+        return "mode" in inspect.signature(dp_client.put_samples).parameters
+    except (AttributeError, TypeError, ValueError):  # an actor handle, a C callable
+        return False
+
+
 class TQStagingStore:
     """Shared keyed-row transport for all token-capture codecs: one row per staging key.
 
@@ -111,6 +120,7 @@ class TQStagingStore:
     def __init__(self, dp_client: Any, *, staging_partition: str) -> None:
         self.dp_client = dp_client
         self.staging_partition = staging_partition
+        self._insert_only = _accepts_put_mode(dp_client)
 
     def put(
         self,
@@ -123,8 +133,13 @@ class TQStagingStore:
 
         The payload is a ``TensorDict`` of batch size ``[1]``, as the data-plane contract types
         ``put_samples(fields=...)``, so a client written to that contract (one that calls
-        ``fields.select(...)``, say) works under the sink.
+        ``fields.select(...)``, say) works under the sink. Where the client takes a put
+        ``mode``, the put is ``"insert"``: it never writes over a live key (a re-stage of an
+        acknowledged call is refused whole, and the sink reads the row back instead), so a
+        backend that stops part-way can never leave half of another call in an
+        acknowledged row. Clients of the reference contract (no ``mode``) get a plain put.
         """
+        mode = {"mode": "insert"} if self._insert_only else {}
         call_dp(
             self.dp_client,
             "put_samples",
@@ -132,6 +147,7 @@ class TQStagingStore:
             partition_id=self.staging_partition,
             fields=TensorDict(dict(field_dict), batch_size=[1]),
             tags=[dict(tags or {})],
+            **mode,
         )
 
     def get(self, keys: Sequence[str], *, select_fields: Sequence[str]) -> TensorDictBase:
