@@ -19,7 +19,10 @@ LAYERS = {
     "tq_plugin.cli": 5,
     "tq_plugin.demo": 5,
 }
-BACKEND_ONLY = {"ray": {"tq_plugin.data_plane.backends.ray_actor"}, "transfer_queue": set()}
+BACKEND_ONLY = {
+    "ray": {"tq_plugin.data_plane.backends.ray_actor", "tq_plugin.data_plane.backends.transferqueue"},
+    "transfer_queue": {"tq_plugin.data_plane.backends.transferqueue"},
+}
 
 
 def _layer(module: str) -> int | None:
@@ -75,3 +78,21 @@ def test_only_the_adapter_imports_ray_or_transferqueue():
 def test_the_layer_map_covers_every_subpackage():
     unmapped = sorted({n for n, _ in _modules() if n != "tq_plugin" and _layer(n) is None})
     assert not unmapped, f"add these to LAYERS (and to the README's picture): {unmapped}"
+
+
+def test_package_exports_are_listed_explicitly():
+    """Every public package lists its exports; no ``import *``, no private names exported."""
+    import importlib
+
+    problems = []
+    for package in ("tq_plugin.data_plane", "tq_plugin.staging", "tq_plugin.lightning"):
+        module = importlib.import_module(package)
+        source = (ROOT / package.replace(".", "/") / "__init__.py").read_text()
+        if "import *" in source:
+            problems.append(f"{package} uses import *")
+        exported = list(getattr(module, "__all__", []))
+        problems += [f"{package} exports missing {n}" for n in exported if not hasattr(module, n)]
+        problems += [f"{package} exports private {n}" for n in exported if n.startswith("_")]
+        if len(set(exported)) != len(exported):
+            problems.append(f"{package} lists a name twice in __all__")
+    assert not problems, "\n".join(problems)

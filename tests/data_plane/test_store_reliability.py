@@ -93,6 +93,7 @@ def test_offsets_that_skip_leading_or_trailing_values_keep_exactly_the_rows(dp):
     lambda: torch.quantize_per_tensor(torch.tensor([1.0, 2.0]), 0.1, 0, torch.qint8),
     lambda: torch.empty(2, device="meta"),
 ])
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
 def test_an_unstorable_second_field_leaves_the_first_unwritten(dp, make):
     before = snapshot(dp)
     with pytest.raises((TypeError, ValueError), match="field 'r'"):

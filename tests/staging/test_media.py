@@ -13,9 +13,9 @@ from tq_plugin.staging import (
     MEDIA_TENSOR_COLUMNS,
     MediaMetadataIntegrityError,
     StagedMediaTensors,
-    _media_sentinels,
     validate_media_tensors,
 )
+from tq_plugin.staging.media import _media_sentinels
 
 
 def _still(**changes):

@@ -4,7 +4,6 @@ Layering is one-way: column I/O, packing and sharding talk to a backend only thr
 ``DataPlaneClient`` methods (``call_dp``); only an adapter imports Ray or transferqueue.
 """
 
-from tq_plugin.data_plane import schema as _schema
 from tq_plugin.data_plane.backends.local import LocalDataPlane
 from tq_plugin.data_plane.backends.ray_actor import RayDataPlane  # imports Ray only when built
 from tq_plugin.data_plane.client import (
@@ -32,10 +31,48 @@ from tq_plugin.data_plane.packing import (
     plan_microbatches,
     plan_sequence_packing,
 )
-from tq_plugin.data_plane.schema import *  # the field-name constants are API
+from tq_plugin.data_plane.schema import (
+    ADVANTAGES,
+    DP_TRAIN_FIELDS,
+    DP_VALUE_TRAIN_FIELDS,
+    ELEM_COUNTS_PER_GB,
+    GENERATION_LOGPROBS,
+    GLOBAL_FORWARD_PAD_SEQLEN,
+    INPUT_IDS,
+    INPUT_LENGTHS,
+    INVALID_TOOL_CALL_MASK,
+    MALFORMED_THINKING_MASK,
+    MICRO_BATCH_INDICES,
+    MICRO_BATCH_LENGTHS,
+    OPD_FULL_FIELDS,
+    OPD_FULL_HIDDEN_STATES_FIELD,
+    OPD_FULL_LOGITS_FIELD,
+    PAD_TO_MULTIPLE,
+    PREV_LOGPROBS,
+    REFERENCE_POLICY_LOGPROBS,
+    RETURNS,
+    ROLLOUT_METRICS,
+    ROUTE_ENCODING_ENVELOPE,
+    ROUTE_ENCODING_LIST,
+    ROUTE_ENCODING_NONE,
+    ROUTED_EXPERTS_ENCODING_FIELD,
+    ROUTED_EXPERTS_FIELD,
+    ROUTED_EXTRAS_METADATA_FIELD,
+    ROUTED_LEN_FIELD,
+    SAMPLE_MASK,
+    TEACHER_REFERENCE_LOGPROBS,
+    TOKEN_ALIGNED_FIELDS,
+    TOKEN_MASK,
+    TOTAL_REWARD,
+    VALUE_SEED_FIELDS,
+    VALUES,
+    Layout,
+)
 from tq_plugin.data_plane.sharding import shard_meta_for_dp
 
-__all__ = [  # noqa: PLE0604
+# Listed explicitly (tests/test_architecture.py checks the list matches the imports above).
+__all__ = [  # noqa: RUF022  (grouped by kind, not sorted)
+    # store and protocol
     "CapacityError",
     "DataPlaneClient",
     "DataPlaneClosedError",
@@ -43,6 +80,7 @@ __all__ = [  # noqa: PLE0604
     "LocalDataPlane",
     "RayDataPlane",
     "call_dp",
+    # column I/O, packing, sharding
     "first_write",
     "jaggedize",
     "materialize",
@@ -58,5 +96,40 @@ __all__ = [  # noqa: PLE0604
     "shard_meta_for_dp",
     "stamp_global_forward_pad_seqlen",
     "write_columns",
-    *[n for n in dir(_schema) if n.isupper()],  # every schema constant
+    # schema: field names, field lists and extra_info keys (NeMo RL's exact strings)
+    "ADVANTAGES",
+    "DP_TRAIN_FIELDS",
+    "DP_VALUE_TRAIN_FIELDS",
+    "ELEM_COUNTS_PER_GB",
+    "GENERATION_LOGPROBS",
+    "GLOBAL_FORWARD_PAD_SEQLEN",
+    "INPUT_IDS",
+    "INPUT_LENGTHS",
+    "INVALID_TOOL_CALL_MASK",
+    "MALFORMED_THINKING_MASK",
+    "MICRO_BATCH_INDICES",
+    "MICRO_BATCH_LENGTHS",
+    "OPD_FULL_FIELDS",
+    "OPD_FULL_HIDDEN_STATES_FIELD",
+    "OPD_FULL_LOGITS_FIELD",
+    "PAD_TO_MULTIPLE",
+    "PREV_LOGPROBS",
+    "REFERENCE_POLICY_LOGPROBS",
+    "RETURNS",
+    "ROLLOUT_METRICS",
+    "ROUTE_ENCODING_ENVELOPE",
+    "ROUTE_ENCODING_LIST",
+    "ROUTE_ENCODING_NONE",
+    "ROUTED_EXPERTS_ENCODING_FIELD",
+    "ROUTED_EXPERTS_FIELD",
+    "ROUTED_EXTRAS_METADATA_FIELD",
+    "ROUTED_LEN_FIELD",
+    "SAMPLE_MASK",
+    "TEACHER_REFERENCE_LOGPROBS",
+    "TOKEN_ALIGNED_FIELDS",
+    "TOKEN_MASK",
+    "TOTAL_REWARD",
+    "VALUES",
+    "VALUE_SEED_FIELDS",
+    "Layout",
 ]

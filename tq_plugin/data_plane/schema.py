@@ -21,7 +21,6 @@ ROLLOUT_METRICS = "rollout_metrics"
 INPUT_IDS = "input_ids"
 INPUT_LENGTHS = "input_lengths"
 SAMPLE_MASK = "sample_mask"
-META_IDX = "meta_idx"
 TOKEN_MASK = "token_mask"
 GENERATION_LOGPROBS = "generation_logprobs"
 PREV_LOGPROBS = "prev_logprobs"
@@ -30,9 +29,6 @@ ADVANTAGES = "advantages"
 VALUES = "values"
 RETURNS = "returns"
 TOTAL_REWARD = "total_reward"
-MASK_SAMPLE = "mask_sample"
-TRUNCATED = "truncated"
-PROMPT_IDS_FOR_ADV = "prompt_ids_for_adv"
 TEACHER_REFERENCE_LOGPROBS = "teacher_reference_logprobs"
 INVALID_TOOL_CALL_MASK = "invalid_tool_call_mask"
 MALFORMED_THINKING_MASK = "malformed_thinking_mask"
@@ -47,13 +43,7 @@ ROUTED_EXTRAS_METADATA_FIELD = "extras_metadata_json"
 ROUTE_ENCODING_NONE = 0
 ROUTE_ENCODING_ENVELOPE = 1
 ROUTE_ENCODING_LIST = 2
-ROUTE_PLAN_TAG = "route_assembly_plan"
-ROUTE_PASSTHROUGH_FLAG = "route_passthrough"
-GENERATION_TOPK_IDS_FIELD = "generation_topk_ids"
-GENERATION_TOPK_LOGPROBS_FIELD = "generation_topk_logprobs"
-GENERATION_TOPK_FIELDS = (GENERATION_TOPK_IDS_FIELD, GENERATION_TOPK_LOGPROBS_FIELD)
 
-PER_TOKEN_STAGING_FIELDS = ("token_ids_delta", "token_mask_delta", "generation_logprobs_delta")
 
 # field lists, in order
 DP_TRAIN_FIELDS = (
@@ -66,25 +56,9 @@ DP_TRAIN_FIELDS = (
     TOKEN_MASK,
     SAMPLE_MASK,
 )
-LP_SEED_FIELDS = (INPUT_IDS, INPUT_LENGTHS, TOKEN_MASK, SAMPLE_MASK)
-VALUE_SEED_FIELDS = LP_SEED_FIELDS
-PPO_VALUE_FIELDS = (VALUES, RETURNS)
+# what a value model's forward reads, and what its training step reads
+VALUE_SEED_FIELDS = (INPUT_IDS, INPUT_LENGTHS, TOKEN_MASK, SAMPLE_MASK)
 DP_VALUE_TRAIN_FIELDS = (INPUT_IDS, INPUT_LENGTHS, TOKEN_MASK, SAMPLE_MASK, VALUES, RETURNS)
-TEACHER_LP_FIELDS = (INPUT_IDS, INPUT_LENGTHS)
-DP_CALIB_INPUT_FIELDS = (INPUT_IDS, INPUT_LENGTHS)
-SC_ROLLOUT_SCHEMA_FIELDS = (
-    *DP_TRAIN_FIELDS,
-    MASK_SAMPLE,
-    TRUNCATED,
-    PROMPT_IDS_FOR_ADV,
-    TOTAL_REWARD,
-    VALUES,
-    RETURNS,
-    TEACHER_REFERENCE_LOGPROBS,
-    *OPD_FULL_FIELDS,
-    INVALID_TOOL_CALL_MASK,
-    MALFORMED_THINKING_MASK,
-)
 
 # Per-token columns: one element per token of the row, stored jagged at the row's input length.
 # sample_mask is listed (as upstream) but is per-row, so it stays rectangular.

@@ -41,7 +41,6 @@ from tq_plugin.staging.media import (
     MEDIA_TENSOR_COLUMNS,
     MediaMetadataIntegrityError,
     StagedMediaTensors,
-    _media_sentinels,
     validate_media_tensors,
 )
 from tq_plugin.staging.prefix_cache import ChainPrefixCache, resolve_admission_prefix
@@ -129,7 +128,6 @@ __all__ = [
     "TQTokenSource",
     "WeightVersionProvider",
     "WeightVersionSpan",
-    "_media_sentinels",
     "assert_golden_vectors",
     "build_staging_delta",
     "build_token_sink",
