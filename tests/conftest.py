@@ -8,7 +8,9 @@ import pytest
 
 HAVE_RAY = importlib.util.find_spec("ray") is not None
 # Ray on loopback only: a 2-core box, no dashboard, and never the machine's routable address.
-RAY_INIT = {"num_cpus": 2, "_node_ip_address": "127.0.0.2", "include_dashboard": False,
+# 4 logical CPUs: TransferQueue's controller and storage unit take one each and must not starve
+# the tests' own actors (which ask for none).
+RAY_INIT = {"num_cpus": 4, "_node_ip_address": "127.0.0.2", "include_dashboard": False,
             "log_to_driver": False}
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import uuid
 
 import pytest
@@ -9,18 +10,55 @@ import torch
 
 from tq_plugin.data_plane import LocalDataPlane, nested_from_lengths
 
+HAVE_TQ = importlib.util.find_spec("transfer_queue") is not None
+
+# Conformance cases a backend cannot meet, and why (the test is skipped with this reason).
+UNSUPPORTED: dict[str, dict[str, str]] = {
+    "transferqueue": {
+        "test_cleared_rows_are_reclaimed_over_a_long_run": "TransferQueue reports no byte accounting (stats() has rows only)",
+        "test_stats_reports_rows_and_bytes": "TransferQueue reports no byte accounting (stats() has rows only)",
+    },
+}
+
+
+@pytest.fixture(scope="session")
+def tq_session(ray_session):
+    """TransferQueue on the session's loopback Ray: started once (1 storage unit), stopped at the end."""
+    if not HAVE_TQ:
+        pytest.skip("transferqueue is not installed (pip install 'tq_plugin[tq]')")
+    from tq_plugin.data_plane.backends.transferqueue import (
+        ensure_transfer_queue,
+        shutdown_transfer_queue,
+    )
+
+    ensure_transfer_queue(num_storage_units=1, init_timeout_s=120)
+    yield ray_session
+    shutdown_transfer_queue()
+
 
 def _make(kind: str, request):
     if kind == "local":
         return LocalDataPlane()
+    if kind == "transferqueue":
+        request.getfixturevalue("tq_session")
+        from tq_plugin.data_plane.backends.transferqueue import TransferQueueDataPlane
+
+        return TransferQueueDataPlane(f"conformance-{uuid.uuid4().hex[:8]}")
     request.getfixturevalue("ray_session")
     from tq_plugin.data_plane.backends.ray_actor import RayDataPlane
 
     return RayDataPlane(f"conformance-{uuid.uuid4().hex[:8]}", actor_name="tq_plugin_tests")
 
 
-@pytest.fixture(params=["local", pytest.param("ray", marks=pytest.mark.slow)])
+_DISTRIBUTED = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(params=["local", pytest.param("ray", marks=_DISTRIBUTED),
+                        pytest.param("transferqueue", marks=_DISTRIBUTED)])
 def client(request):
+    reason = UNSUPPORTED.get(request.param, {}).get(request.node.originalname)
+    if reason:
+        pytest.skip(f"{request.param}: {reason}")
     c = _make(request.param, request)
     yield c
     c.close()
