@@ -126,3 +126,14 @@ def test_a_missing_store_checkpoint_stops_the_resume_with_a_hint(
     with pytest.raises(CheckpointError, match=r"role='policy'.*rank-0.*checkpoint_store=False"):
         fit(make_trainer, tmp_path, "second", salt=1000,
             ckpt=str(last_checkpoint(tmp_path / "first")))
+
+
+def test_keep_last_stores_prunes_older_store_checkpoints(make_trainer: Any, tmp_path: Path) -> None:
+    fit(make_trainer, tmp_path, "first", salt=0, keep_last_stores=2)
+    kept = sorted(p.name for p in (tmp_path / "dataplane" / "policy").iterdir())
+    saved = sorted(p.stem.rpartition("step=")[2] for p in (tmp_path / "first").glob("*.ckpt"))
+    assert len(saved) > 2 and len(kept) == 2
+    newest = sorted(saved, key=int)[-2:]
+    assert kept == sorted(f"step-{n}" for n in newest)
+    with pytest.raises(ValueError, match="keep_last_stores must be >= 1"):
+        DataPlaneCallback(keep_last_stores=0)

@@ -25,7 +25,9 @@ client with a ``save`` method is assumed shared and saved by global rank 0.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -90,6 +92,8 @@ class DataPlaneCallback(Callback):
         checkpoint_store: save the store with every Lightning checkpoint and put its rows back
             on resume (a client without ``save`` is skipped with a warning).
         store_dir: where store checkpoints go (default: ``<trainer.default_root_dir>/dataplane``).
+        keep_last_stores: keep only this many of this role's newest store checkpoints (``None``:
+            keep all; match it to ``ModelCheckpoint(save_top_k=...)``'s retention).
     """
 
     def __init__(
@@ -106,6 +110,7 @@ class DataPlaneCallback(Callback):
         log_every_n_steps: int | None = None,
         checkpoint_store: bool = True,
         store_dir: str | None = None,
+        keep_last_stores: int | None = None,
     ) -> None:
         if not role:
             raise ValueError("DataPlaneCallback: role must be a non-empty string")
@@ -121,6 +126,11 @@ class DataPlaneCallback(Callback):
         self.log_every_n_steps = log_every_n_steps
         self.checkpoint_store = checkpoint_store
         self.store_dir = store_dir
+        if keep_last_stores is not None and keep_last_stores < 1:
+            raise ValueError(
+                f"DataPlaneCallback: keep_last_stores must be >= 1 or None, got {keep_last_stores}"
+            )
+        self.keep_last_stores = keep_last_stores
         self._spec = client
         self._close_client = close_client
         self.client: MeteredClient | None = None
@@ -361,8 +371,20 @@ class DataPlaneCallback(Callback):
         if rank is not None:
             metadata = {_STEP_META: self._step_meta} if self._step_meta else {}
             call_dp(self._inner(), "save", path=str(base / f"rank-{rank}"), metadata=metadata)
+            if self.keep_last_stores is not None:
+                self._prune_stores(base, f"rank-{rank}")
         self.store_path = str(base)
         state["store_path"] = self.store_path
+
+    def _prune_stores(self, saved: Path, rank_dir: str) -> None:
+        """Drop this rank's older store checkpoints beyond ``keep_last_stores`` (newest kept)."""
+        assert self.keep_last_stores is not None
+        older = [p for p in saved.parent.glob("step-*") if p != saved and (p / rank_dir).is_dir()]
+        older.sort(key=lambda p: (p / rank_dir).stat().st_mtime_ns)
+        for step_dir in older[: max(0, len(older) - (self.keep_last_stores - 1))]:
+            shutil.rmtree(step_dir / rank_dir, ignore_errors=True)
+            with contextlib.suppress(OSError):  # other ranks' entries may still be there
+                step_dir.rmdir()
 
     @override
     def on_load_checkpoint(
