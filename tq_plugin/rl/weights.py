@@ -1,0 +1,63 @@
+"""The trained policy (and value) weights a recipe leaves in its output dir, in safetensors.
+
+``policy.safetensors`` / ``value.safetensors`` hold the modules' ``state_dict`` (tied tensors
+stored once), with the model class and role in the header metadata. Each file is written beside
+its final name and renamed over it, so a reader sees the old file or the whole new one, never a
+partial write. Loading never unpickles: safetensors holds raw tensors only.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+from safetensors import safe_open
+from safetensors.torch import load_model, save_model
+from torch import nn
+
+POLICY_WEIGHTS = "policy.safetensors"
+VALUE_WEIGHTS = "value.safetensors"
+
+
+def save_weights(model: nn.Module, path: str | Path, *, role: str) -> Path:
+    """Write ``model``'s weights to ``path`` atomically; the header names the class and role."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    cls = type(model)
+    save_model(model, str(tmp), metadata={"role": role,
+                                          "class": f"{cls.__module__}.{cls.__qualname__}"})
+    os.replace(tmp, path)
+    return path
+
+
+def save_final_weights(output_dir: str | Path, *, policy: nn.Module,
+                       value: nn.Module | None = None) -> list[Path]:
+    """``policy.safetensors`` and, when there is a value model, ``value.safetensors``."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = [save_weights(policy, out / POLICY_WEIGHTS, role="policy")]
+    if value is not None:
+        written.append(save_weights(value, out / VALUE_WEIGHTS, role="value"))
+    return written
+
+
+def load_weights(model: nn.Module, path: str | Path) -> nn.Module:
+    """Load a file :func:`save_weights` wrote into ``model`` (built with the run's config).
+
+    Every tensor must match a parameter or buffer by name and shape, or this raises and leaves
+    ``model`` untouched: the file is loaded into a copy first, and only a full match is applied.
+    """
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    cls = type(model)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if meta.get("class") not in (None, name):
+        raise ValueError(f"{path} holds weights of {meta['class']}, not of {name}")
+    staged = copy.deepcopy(model)
+    load_model(staged, str(path), strict=True)
+    model.load_state_dict(staged.state_dict())
+    return model
+
+
+__all__ = ["POLICY_WEIGHTS", "VALUE_WEIGHTS", "load_weights", "save_final_weights", "save_weights"]
