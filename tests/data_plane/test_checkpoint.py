@@ -288,7 +288,9 @@ def test_a_malformed_manifest_is_rejected(ck: Path) -> None:
     (lambda m: m["partitions"][0]["tags"].update(zz={}), "tags name rows that are not in"),
     (lambda m: m["partitions"][0]["consumed"].update(t=["zz"]), "task 't' claimed rows not in"),
 ])
-def test_a_manifest_that_disagrees_with_the_tensors_is_rejected(ck: Path, change: Any, rule: str) -> None:
+def test_a_manifest_that_disagrees_with_the_tensors_is_rejected(
+    ck: Path, change: Any, rule: str
+) -> None:
     _rewrite_manifest(ck, change)
     with pytest.raises(CheckpointError, match=rf"0.safetensors.*{rule}"):
         LocalDataPlane.load(ck)

@@ -19,8 +19,9 @@ With ``checkpoint_store`` (the default) every Lightning checkpoint also saves th
 ``<store_dir>/<role>/step-<global step>/rank-<r>`` and records that path in the callback's
 state; ``on_load_checkpoint`` puts the rows back into the freshly built client. The role's
 ``MetaDataModule`` source, wrapped by ``step_source`` in ``setup``, then hands the interrupted
-step's meta back instead of generating the step again. An embedded store is saved by every rank (each holds its own rows); any other
-client with a ``save`` method is assumed shared and saved by global rank 0.
+step's meta back instead of generating the step again. An embedded store is saved by every
+rank (each holds its own rows); any other client with a ``save`` method is assumed shared and
+saved by global rank 0.
 """
 
 from __future__ import annotations
@@ -178,7 +179,8 @@ class DataPlaneCallback(Callback):
         """Route this role's ``MetaDataModule`` source through ``step_source`` (once)."""
         dm = getattr(trainer, "datamodule", None)
         source = getattr(dm, "source", None)
-        if not self.checkpoint_store or not callable(source) or getattr(dm, "role", None) != self.role:
+        ours = getattr(dm, "role", None) == self.role
+        if not (self.checkpoint_store and ours and callable(source)):
             return
         if getattr(source, "resumes_for", None) is not self:
             dm.source = self.step_source(getattr(source, "__wrapped__", source))
@@ -410,6 +412,7 @@ class DataPlaneCallback(Callback):
         held = restored.metadata.get(_STEP_META)
         if held is not None:
             meta = held["meta"]
-            present = set(call_dp(self.client, "list_sample_ids", partition_id=meta["partition_id"]))
+            pid = meta["partition_id"]
+            present = set(call_dp(self.client, "list_sample_ids", partition_id=pid))
             if present.issuperset(meta["sample_ids"]):
                 self._restored_step = held

@@ -328,7 +328,9 @@ def _parse_manifest(root: Path) -> _Manifest:
     try:
         raw = json.loads(text)
     except ValueError as err:
-        raise CheckpointError(f"checkpoint file {str(root / MANIFEST)!r} is not JSON: {err}") from None
+        raise CheckpointError(
+            f"checkpoint file {str(root / MANIFEST)!r} is not JSON: {err}"
+        ) from None
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise CheckpointError(f"{str(root / MANIFEST)!r} is not a {FORMAT} checkpoint manifest")
     version = raw.get("format_version")
@@ -358,10 +360,12 @@ def _check_partition(entry: _PartitionEntry, tensors: dict[str, torch.Tensor], f
     ids = set(entry.sample_ids)
     _expect(len(ids) == n, file, f"partition {pid!r} lists a sample id twice")
     unknown_tags = [s for s in entry.tags if s not in ids]
-    _expect(not unknown_tags, file, f"tags name rows that are not in partition {pid!r}: {unknown_tags[:_SHOW]}")
+    _expect(not unknown_tags, file,
+            f"tags name rows that are not in partition {pid!r}: {unknown_tags[:_SHOW]}")
     for task, claimed in entry.consumed.items():
         stray = [s for s in claimed if s not in ids]
-        _expect(not stray, file, f"task {task!r} claimed rows not in partition {pid!r}: {stray[:_SHOW]}")
+        _expect(not stray, file,
+                f"task {task!r} claimed rows not in partition {pid!r}: {stray[:_SHOW]}")
     expected: set[str] = set()
     for i, f in enumerate(entry.fields):
         where = f"field {f.name!r} of partition {pid!r}"
@@ -372,19 +376,22 @@ def _check_partition(entry: _PartitionEntry, tensors: dict[str, torch.Tensor], f
         names = [f"{i}.{p}" for p in parts]
         expected.update(names)
         missing = [k for k in names if k not in tensors]
-        _expect(not missing, file, f"{where}: the manifest names tensors {missing} it does not hold")
+        _expect(not missing, file,
+                f"{where}: the manifest names tensors {missing} it does not hold")
         rows = tensors[names[0]]
-        _expect(rows.dtype == torch.int64 and rows.dim() == 1, file, f"{where}: rows must be int64 [k]")
+        _expect(rows.dtype == torch.int64 and rows.dim() == 1, file,
+                f"{where}: rows must be int64 [k]")
         k = rows.shape[0]
         rows_np = rows.numpy()
         _expect(
             bool(((rows_np >= 0) & (rows_np < n)).all()) and np.unique(rows_np).shape[0] == k,
             file,
-            f"{where}: row indices must be distinct and name rows of the partition's {n} sample ids",
+            f"{where}: row indices must be distinct and name rows of the partition's {n} ids",
         )
         if f.kind == "dense":
             data = tensors[names[1]]
-            _expect(data.dtype == dtype, file, f"{where}: data is {data.dtype}, manifest says {f.dtype}")
+            _expect(data.dtype == dtype, file,
+                    f"{where}: data is {data.dtype}, manifest says {f.dtype}")
             _expect(
                 tuple(data.shape) == (k, *f.shape),
                 file,
@@ -392,7 +399,8 @@ def _check_partition(entry: _PartitionEntry, tensors: dict[str, torch.Tensor], f
             )
         else:
             values, lengths = tensors[names[1]], tensors[names[2]]
-            _expect(values.dtype == dtype, file, f"{where}: values are {values.dtype}, manifest says {f.dtype}")
+            _expect(values.dtype == dtype, file,
+                    f"{where}: values are {values.dtype}, manifest says {f.dtype}")
             _expect(
                 values.dim() == 1 + len(f.shape) and tuple(values.shape[1:]) == tuple(f.shape),
                 file,
