@@ -186,8 +186,7 @@ class DemoPolicy(_DemoModel):
         self._note(batch)
         ids = batch[INPUT_IDS]
         logprobs = torch.log_softmax(self(ids), -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
-        mask = batch[TOKEN_MASK]
-        loss = -(logprobs * batch[ADVANTAGES] * mask).sum() / mask.sum().clamp(min=1)
+        loss = -self.dp_token_mean(logprobs * batch[ADVANTAGES], batch[TOKEN_MASK])
         return {"loss": loss, "write_back": {PREV_LOGPROBS: logprobs.detach()}}
 
 
@@ -200,8 +199,7 @@ class DemoValue(_DemoModel):
     def training_step(self, batch: TensorDict, batch_idx: int) -> Mapping[str, Any]:
         self._note(batch)
         values = self(batch[INPUT_IDS]).squeeze(-1)
-        mask = batch[TOKEN_MASK]
-        loss = ((values - batch[RETURNS]) ** 2 * mask).sum() / mask.sum().clamp(min=1)
+        loss = self.dp_token_mean((values - batch[RETURNS]) ** 2, batch[TOKEN_MASK])
         return {"loss": loss, "write_back": {VALUES: values.detach()}}
 
 

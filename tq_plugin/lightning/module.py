@@ -6,6 +6,13 @@ columns from the data plane on the host and lays them out (``padded`` or ``packe
 host allocator reuses the pinned blocks, and guards each block until its copy has finished) and
 copied with ``non_blocking=True``. ``training_step`` receives a ``TensorDict``; the microbatch's
 meta stays on ``self.dp_meta`` for the step and the callback.
+
+One global batch is one optimizer step, in every packing mode. The packing mode decides how many
+microbatches a global batch is cut into (fixed rows, token-budget bins, padded-width bins); with
+automatic optimization the mixin accumulates gradients over all of them and lets the optimizer
+step on the global batch's last one (``dp_accumulate``). ``dp_token_mean`` divides a token sum by
+the real tokens of the whole global batch, so the accumulated gradient -- and the loss -- is
+the same however the rows were cut.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from tq_plugin.config.schema import ConfigError
 from tq_plugin.data_plane.client import call_dp
 from tq_plugin.data_plane.meta import KVBatchMeta
 from tq_plugin.data_plane.schema import GLOBAL_FORWARD_PAD_SEQLEN, INPUT_IDS
@@ -30,13 +38,27 @@ PACK_PAD_MULTIPLE = "sequence_length_pad_multiple"
 STEP_SAMPLE_IDS = "step_sample_ids"
 
 
+def _accumulating_modulus(trainer: Any) -> int:
+    """A modulus that keeps Lightning accumulating on this batch.
+
+    Lightning steps when ``batches_ready % accumulate_grad_batches == 0``; the smallest power
+    of two above ``batches_ready`` never divides it.
+    """
+    ready = int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+    return 1 << max(ready, 1).bit_length()
+
+
 class MetaBatchMixin:
     """Mix into a ``LightningModule`` (before it in the bases) to train on data-plane metas.
 
     Class attributes a host may override: ``dp_layout`` (``"padded"`` or ``"packed"``),
     ``dp_read_fields`` (``None`` reads the meta's ``fields``), ``dp_pad_values`` (per-field pad
     value, default 0) and ``dp_pad_to`` (``"target"``: the step's global pad target, the same on
-    every rank; ``"microbatch"``: the microbatch's own planned length).
+    every rank; ``"microbatch"``: the microbatch's own planned length) and ``dp_accumulate``
+    (``True``: under automatic optimization, one optimizer step per global batch; it drives
+    Lightning's own accumulation, so leave ``Trainer(accumulate_grad_batches=1)``).
+
+    A host that overrides ``on_train_batch_start`` or ``optimizer_zero_grad`` calls ``super()``.
     """
 
     dp_layout: str = "padded"
@@ -47,11 +69,96 @@ class MetaBatchMixin:
     dp_meta: KVBatchMeta | None = None
     dp_packed_index: PackedIndex | None = None
     dp_batch_stats: Mapping[str, float] = MappingProxyType({})
+    dp_accumulate: bool = True
+    _dp_is_meta_batch: bool = False
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        if isinstance(batch, KVBatchMeta):
+        self._dp_is_meta_batch = isinstance(batch, KVBatchMeta)
+        if self._dp_is_meta_batch:
             return self.dp_materialize(batch)
         return super().on_before_batch_transfer(batch, dataloader_idx)  # type: ignore[misc]
+
+    # ------------------------------------------------------------ one global batch, one step
+    @property
+    def dp_microbatch(self) -> Mapping[str, Any] | None:
+        """The current microbatch's place in its step (``MICROBATCH_INFO``), or ``None``."""
+        if not self._dp_is_meta_batch or self.dp_meta is None:
+            return None
+        return self.dp_meta.extra_info.get(MICROBATCH_INFO)
+
+    @property
+    def dp_global_batch_tokens(self) -> int:
+        """Real tokens of this rank's part of the current global batch: the loss normalizer."""
+        info = self.dp_microbatch
+        if info is None or "global_batch_tokens" not in info:
+            raise RuntimeError("dp_global_batch_tokens needs a microbatch planned by plan_step")
+        return int(info["global_batch_tokens"])
+
+    def dp_real_tokens(self, like: torch.Tensor) -> torch.Tensor:
+        """1.0 on real tokens, 0.0 on padding, shaped like a per-token ``[B, S]`` / ``[1, T]``."""
+        meta = self.dp_meta
+        if meta is None or meta.sequence_lengths is None:
+            raise RuntimeError("dp_real_tokens needs the current microbatch's meta")
+        if self.dp_packed_index is not None:
+            real = self.dp_packed_index.real.unsqueeze(0)
+        else:
+            lengths = torch.tensor(meta.sequence_lengths, dtype=torch.int64)
+            real = torch.arange(like.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+        return real.to(device=like.device, dtype=like.dtype if like.is_floating_point() else torch.float32)
+
+    def dp_token_mean(self, values: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``sum(values * mask)`` over real tokens, divided by the global batch's real tokens.
+
+        Summed over a global batch's microbatches this is the token mean of the whole global
+        batch, whatever the packing mode: the loss to return for gradients (and logged values)
+        that do not depend on how the rows were cut.
+        """
+        weights = self.dp_real_tokens(values)
+        if mask is not None:
+            weights = weights * mask
+        return (values * weights).sum() / max(self.dp_global_batch_tokens, 1)
+
+    def _dp_accumulating(self) -> bool:
+        return (self.dp_accumulate and self.dp_microbatch is not None
+                and bool(getattr(self, "automatic_optimization", False)))
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> Any:
+        if self._dp_accumulating():
+            info = self.dp_microbatch
+            trainer = self.trainer  # type: ignore[attr-defined]
+            if not getattr(self, "_dp_owns_accumulation", False):
+                if trainer.accumulate_grad_batches != 1:
+                    raise ConfigError(
+                        f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}): "
+                        "MetaBatchMixin already accumulates over each global batch's "
+                        "microbatches; leave it at 1 (or set dp_accumulate = False)"
+                    )
+                self._dp_owns_accumulation = True
+            trainer.accumulate_grad_batches = (
+                1 if info["last_in_global_batch"] else _accumulating_modulus(trainer))
+            if info["index"] == 0:
+                for opt in trainer.optimizers:
+                    opt.zero_grad(set_to_none=True)
+        return super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        # Lightning divides the loss by accumulate_grad_batches; the modulus set above is not a
+        # count of microbatches, so undo it (a power of two: exact in floating point).
+        if getattr(self, "_dp_owns_accumulation", False) and self._dp_accumulating():
+            loss = loss * self.trainer.accumulate_grad_batches  # type: ignore[attr-defined]
+        super().backward(loss, *args, **kwargs)  # type: ignore[misc]
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        # Accumulating over a global batch: gradients are zeroed on its first microbatch only.
+        if self._dp_accumulating():
+            return
+        super().optimizer_zero_grad(epoch, batch_idx, optimizer)  # type: ignore[misc]
+
+    def on_train_end(self) -> None:
+        if getattr(self, "_dp_owns_accumulation", False):
+            self.trainer.accumulate_grad_batches = 1  # type: ignore[attr-defined]
+            self._dp_owns_accumulation = False
+        super().on_train_end()  # type: ignore[misc]
 
     def transfer_batch_to_device(
         self, batch: Any, device: torch.device, dataloader_idx: int

@@ -89,23 +89,30 @@ class _Step:
     microbatches: int = 0
     global_batches: int = 0
     dp_bytes: int = 0
+    # Derived from ``sums`` after every microbatch (``tq_plugin.rl.ranks`` merges them per rank).
+    real_tokens: float = 0.0
+    padded_tokens: float = 0.0
+    train_s: float = 0.0
+    loss: float = 0.0
+    clipfrac: float = 0.0
+    approx_kl: float = 0.0
+    value_loss: float = 0.0
+    entropy: float = 0.0
+    tokens_per_s: float = 0.0
     sums: dict[str, float] = field(default_factory=dict)
 
-    @property
-    def real_tokens(self) -> float:
-        return self.sums.get("real_tokens", 0.0)
-
-    @property
-    def padded_tokens(self) -> float:
-        return self.sums.get("padded_tokens", 0.0)
-
-    @property
-    def train_s(self) -> float:
-        return self.sums.get("seconds", 0.0)
+    def add(self, stats: Mapping[str, float], *, last_in_global_batch: bool) -> None:
+        add_stats(self.sums, stats)
+        self.microbatches += 1
+        self.global_batches += int(last_in_global_batch)
+        for key, value in rl_metrics(self.sums, self.global_batches).items():
+            setattr(self, key, value)
+        self.real_tokens = self.sums["real_tokens"]
+        self.padded_tokens = self.sums["padded_tokens"]
+        self.train_s = self.sums["seconds"]
 
     def row(self) -> dict[str, Any]:
         padded = self.padded_tokens or 1.0
-        m = rl_metrics(self.sums, self.global_batches)
         return {
             "step": self.step,
             "reward": round(self.reward, 5),
@@ -114,14 +121,14 @@ class _Step:
             "train_tokens": int(self.real_tokens),
             "processed_tokens": int(self.padded_tokens),
             "padded_fraction": round(1.0 - self.real_tokens / padded, 5),
-            "tokens_per_s": round(m["tokens_per_s"], 1),
+            "tokens_per_s": round(self.real_tokens / self.train_s, 1) if self.train_s else 0.0,
             "microbatches": self.microbatches,
             "optimizer_steps": self.global_batches,
-            "loss": round(m["loss"], 5),
-            "clipfrac": round(m["clipfrac"], 5),
-            "approx_kl": round(m["approx_kl"], 6),
-            "value_loss": round(m["value_loss"], 5),
-            "entropy": round(m["entropy"], 5),
+            "loss": round(self.loss, 5),
+            "clipfrac": round(self.clipfrac, 5),
+            "approx_kl": round(self.approx_kl, 6),
+            "value_loss": round(self.value_loss, 5),
+            "entropy": round(self.entropy, 5),
             "rollout_s": round(self.rollout_s, 4),
             "prepare_s": round(self.prepare_s, 4),
             "train_s": round(self.train_s, 4),
@@ -165,11 +172,8 @@ class MetricsLog:
     def on_microbatch(self, meta: KVBatchMeta, stats: Mapping[str, float]) -> None:
         info = meta.extra_info[MICROBATCH_INFO]
         s = self._by_step[int(info["step"])]
-        add_stats(s.sums, stats)
+        s.add(stats, last_in_global_batch=bool(info["last_in_global_batch"]))
         self._max_mb_tokens = max(self._max_mb_tokens, int(stats.get("padded_tokens", 0)))
-        s.microbatches += 1
-        if info["last_in_global_batch"]:
-            s.global_batches += 1
 
     def summary(self, dp_total_bytes: int) -> dict[str, Any]:
         rows = [s.row() for s in self.steps]

@@ -5,10 +5,11 @@ layout (``padded`` to the step's pad target, ``padded`` to the microbatch's own 
 dynamic batching, or one ``packed`` row with ``position_ids``/``segment_ids``); ``TQDriverMixin``
 supplies the pad-target minting and the column reads/writes of the pre-training passes.
 
-Optimization is manual: a global batch may be cut into a different number of microbatches
-under each packing mode, so every microbatch's loss is a token *sum* divided by the global
-batch's action-token count, gradients accumulate, and the optimizer steps on the global batch's
-last microbatch. The update is therefore the same whatever the packing; only its cost changes.
+A global batch may be cut into a different number of microbatches under each packing mode, so
+every microbatch's loss is a token *sum* divided by the global batch's action-token count, and
+``MetaBatchMixin`` accumulates gradients over the global batch's microbatches (automatic
+optimization, one optimizer step per global batch). The update is therefore the same whatever
+the packing; only its cost changes.
 """
 
 from __future__ import annotations
@@ -65,44 +66,13 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         self.dp_pad_to = "microbatch" if packing.use_dynamic_batches else "target"
         # What a training microbatch reads; other passes read what their meta names.
         self.train_fields = POLICY_TRAIN_FIELDS + (VALUE_TRAIN_FIELDS if value is not None else [])
-        self.automatic_optimization = False
         self.step_hook: Any = None  # called with (meta, stats) after each microbatch
         self.train_seconds = 0.0
-        # Per RL step, keyed by step: the dataloader prepares step s + 1 (and the recipe sets
-        # its normalizer and reward) before step s's last microbatch has trained.
-        self._loss_norms: dict[int, float] = {}
-        self._rewards: dict[int, float] = {}
-        self._preparing: int | None = None
-        self._pending_reward = 0.0
+        # Set by the recipe's step callback before each microbatch trains, from the step's meta
+        # (the dataloader prepares step s + 1 before step s's last microbatch has trained).
+        self.loss_norm = 1.0  # action tokens of one global batch (per rank)
+        self.current_reward = 0.0  # the step's mean rollout reward, logged as rl/reward
         self._gb_stats: dict[str, float] = {}
-
-    # The recipe sets both while it prepares a step (reward first, the normalizer after the
-    # step's forward passes): they are recorded against that step, not "the latest" one.
-    @property
-    def loss_norm(self) -> float:
-        """Action tokens of one global batch of the step being prepared (the loss normalizer)."""
-        return self._loss_norms.get(self._preparing, 1.0)
-
-    @loss_norm.setter
-    def loss_norm(self, value: float) -> None:
-        self._loss_norms[self._preparing] = float(value)
-
-    @property
-    def current_reward(self) -> float:
-        """The mean rollout reward of the step being prepared (logged as ``rl/reward``)."""
-        return self._rewards.get(self._preparing, self._pending_reward)
-
-    @current_reward.setter
-    def current_reward(self, value: float) -> None:
-        self._pending_reward = float(value)
-
-    def _begin_step(self, step: int) -> None:
-        if self._preparing != step:
-            self._preparing = step
-            self._rewards[step] = self._pending_reward
-            for old in [k for k in self._rewards if k < step - 2]:
-                self._rewards.pop(old, None)
-                self._loss_norms.pop(old, None)
 
     # ------------------------------------------------------------------ model inputs
     def _inputs(self, td: Any, meta: KVBatchMeta) -> dict[str, Any]:
@@ -129,7 +99,6 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         policy's dispatch), in microbatches under the ``logprob_mb_tokens`` budget and in the
         training layout; each microbatch's output goes back as rows (``dp_rows``).
         """
-        self._begin_step(step)
         model, field = (self.policy, PREV_LOGPROBS) if role == "policy" else (self.value, VALUES)
         task = "prev_lp" if role == "policy" else "value_fwd"
         was_training = model.training
@@ -153,12 +122,18 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
             groups.append({"params": self.value.parameters(), "lr": self.rc.value_lr})
         return torch.optim.Adam(groups)
 
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer,
+                                    gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        self.clip_gradients(optimizer, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> Any:
+        self._mb_start = time.perf_counter()
+        return super().on_train_batch_start(batch, batch_idx)
+
     def training_step(self, td: Any, batch_idx: int) -> dict[str, Any]:
-        start = time.perf_counter()
         meta = self.dp_meta
-        info = meta.extra_info[MICROBATCH_INFO]
-        step = int(info["step"])
-        norm = self._loss_norms.get(step, 1.0)
+        norm = float(self.loss_norm)
         mask = td[TOKEN_MASK].float()
         mask = mask * self._row_values(td[SAMPLE_MASK], mask)
         ids = td[INPUT_IDS]
@@ -190,19 +165,20 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
             v_loss = (v_loss * mask).sum() / norm
             loss = loss + self.rc.vf_coef * v_loss
             stats["value_loss"] = float(v_loss.detach())
-        self.manual_backward(loss)
-        if info["last_in_global_batch"]:
-            opt = self.optimizers()
-            self.clip_gradients(opt, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
-            opt.step()
-            opt.zero_grad()
-        elapsed = time.perf_counter() - start + self.dp_batch_stats.get("layout_s", 0.0)
+        stats["loss"] = float(loss.detach())
+        self._mb_stats = stats
+        return {"loss": loss}
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Book the microbatch (forward, backward and, on a global batch's last, the step)."""
+        meta = self.dp_meta
+        elapsed = time.perf_counter() - self._mb_start + self.dp_batch_stats.get("layout_s", 0.0)
         self.train_seconds += elapsed
-        stats.update(loss=float(loss.detach()), seconds=elapsed, **self.dp_batch_stats)
+        stats = {**self._mb_stats, "seconds": elapsed, **self.dp_batch_stats}
         if self.step_hook is not None:
             self.step_hook(meta, stats)
-        self._log_global_batch(info, stats, batch_size=max(meta.size, 1))
-        return {"loss": loss.detach()}
+        self._log_global_batch(meta.extra_info[MICROBATCH_INFO], stats,
+                               batch_size=max(meta.size, 1))
 
     def _log_global_batch(self, info: dict[str, Any], stats: dict[str, float],
                           batch_size: int) -> None:
@@ -219,7 +195,7 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         logged = {f"rl/{k}": v for k, v in figures.items()}
         logged["rl/step"] = float(step)
         self.log_dict(logged, on_step=True, on_epoch=False, batch_size=batch_size)
-        self.log_dict({"rl/reward": self._rewards.get(step, self._pending_reward)},
+        self.log_dict({"rl/reward": float(self.current_reward)},
                       prog_bar=True, on_step=True, on_epoch=False, batch_size=batch_size)
 
     @staticmethod
