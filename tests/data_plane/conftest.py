@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import uuid
 
 import pytest
@@ -77,3 +78,50 @@ def ragged(lengths: list[int], dtype=torch.int64, *trailing: int, seed: int = 0)
 
 def rows_of(nt: torch.Tensor) -> list[torch.Tensor]:
     return list(nt.unbind())
+
+
+# ---------------------------------------------------------------- multi-process helpers
+# Source run by subprocesses (which cannot import this conftest): a deterministic batch and a
+# digest of exactly the bytes a backend hands back.
+BATCH_SOURCE = '''
+import hashlib, torch
+
+def batch(seed, rows=64):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0, 300, (rows,), generator=g)
+    offsets = torch.zeros(rows + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lens, 0)
+    total = int(offsets[-1])
+    return [f"s{seed}_{i}" for i in range(rows)], {
+        "input_ids": torch.nested.nested_tensor_from_jagged(
+            torch.randint(0, 150000, (total,), generator=g), offsets),
+        "logprobs": torch.nested.nested_tensor_from_jagged(torch.randn(total, generator=g), offsets),
+        "reward": torch.randn(rows, generator=g),
+        "img": torch.randint(0, 255, (rows, 3, 4), generator=g).to(torch.uint8),
+    }
+
+def digest(td):
+    h = hashlib.sha256()
+    for name in sorted(td.keys()):
+        t = td[name]
+        parts = [t.values(), t.offsets().diff()] if t.is_nested else [t]
+        for p in parts:
+            h.update(name.encode() + str(p.dtype).encode() + str(tuple(p.shape)).encode())
+            h.update(p.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+'''
+
+
+def run_python(code: str, *args: str, timeout: float = 240) -> str:
+    """Run ``code`` in a fresh interpreter (``BATCH_SOURCE`` defined first); its stdout's last line."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", BATCH_SOURCE + "\n" + code, *args],
+        check=False, capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONWARNINGS": "ignore"},
+    )
+    if proc.returncode:
+        raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return proc.stdout.strip().splitlines()[-1]

@@ -78,6 +78,10 @@ def start_ray_on_loopback(address: str | None, namespace: str | None, ray_init: 
     in_opts = opts.pop("address", None)
     address = address or in_opts
     if address and address != "local":
+        host = address.rsplit(":", 1)[0]
+        if host.startswith("127."):
+            # A cluster on loopback: join it there too (Ray would pick the routable address).
+            opts.setdefault("_node_ip_address", host)
         ray.init(address=address, namespace=namespace, **opts)
         return
     opts.setdefault("_node_ip_address", LOOPBACK_NODE_IP)
@@ -168,6 +172,9 @@ class _RefColumn:
     soon as no live row points into it. Implements the column interface ``LocalDataPlane``
     drives (``reserve`` / ``write`` / ``drop`` / ``release`` / ``to_jagged`` / ``has`` / ``read``).
     """
+
+    # Reads copy out of the (read-only) object store, so a reader can never change the rows.
+    intact = True
 
     def __init__(self, spec: ColumnSpec) -> None:
         self.spec = spec
