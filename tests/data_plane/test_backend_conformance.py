@@ -12,7 +12,12 @@ import pytest
 import torch
 from tensordict import NonTensorData, TensorDict
 
-from tq_plugin.data_plane import DataPlaneClient, DataPlaneClosedError, call_dp
+from tq_plugin.data_plane import (
+    DataPlaneClient,
+    DataPlaneClosedError,
+    DataPlaneCorruptionError,
+    call_dp,
+)
 
 from .conftest import ragged, rows_of
 
@@ -75,16 +80,36 @@ def test_declared_jagged_field_accepts_dense_rows_of_different_widths(client):
     assert [r.tolist() for r in got.unbind()] == [[4], [1, 2, 3]]
 
 
-def test_reads_and_writes_are_copies(train):
+def test_writes_are_copies_and_later_writes_never_change_a_read(train):
     fields = _put_basic(train)
     fields["reward"].add_(100)
+    fields["input_ids"].values().add_(1)
     td = train.get_samples(IDS, "train", ["reward", "input_ids"])
     assert td["reward"].tolist() == [0.0, 1.0, 2.0]
-    td["reward"].add_(7)
+    before = [r.clone() for r in td["input_ids"].unbind()]
+    train.put_samples(IDS, "train", {"input_ids": ragged([1, 1, 1], seed=9)})  # overwrite
+    train.put_samples(["z"], "train", {"input_ids": ragged([4], seed=8)})  # append
+    assert all(torch.equal(a, b) for a, b in zip(td["input_ids"].unbind(), before))
+
+
+def test_a_read_changed_in_place_never_silently_changes_the_store(train):
+    """Reads may share the store's memory (read-only by contract): changing one in place is
+    either isolated (a copying backend) or detected on the next read, never silent."""
+    _put_basic(train)
+    original = train.get_samples(IDS, "train", ["input_ids"])["input_ids"].values().clone()
+    td = train.get_samples(IDS, "train", ["reward", "input_ids"])
+    td["reward"].add_(7)  # dense reads are copies on every backend
+    assert train.get_samples(IDS, "train", ["reward"])["reward"].tolist() == [0.0, 1.0, 2.0]
     td["input_ids"].values().zero_()
-    again = train.get_samples(IDS, "train", ["reward", "input_ids"])
-    assert again["reward"].tolist() == [0.0, 1.0, 2.0]
-    assert torch.equal(again["input_ids"].values(), fields["input_ids"].values())
+    try:
+        again = train.get_samples(IDS, "train", ["input_ids"])["input_ids"].values()
+    except DataPlaneCorruptionError as e:
+        assert "'input_ids'" in str(e) and "clone()" in str(e)
+        train.clear_samples(IDS, "train")  # clearing the rows clears the alarm
+        _put_basic(train)
+        assert torch.equal(train.get_samples(IDS, "train", ["input_ids"])["input_ids"].values(), original)
+    else:
+        assert torch.equal(again, original)
 
 
 def test_write_back_adds_columns_and_overwrites_under_the_same_keys(train):

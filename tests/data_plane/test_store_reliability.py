@@ -313,3 +313,36 @@ def test_ppo_write_back_compacts_a_bounded_number_of_times():
     assert dp.compactions() <= 6
     out = dp.get_samples(ids[:3], "w", ["adv"])["adv"]
     assert [len(r) for r in out.unbind()] == lengths[:3].tolist()
+
+
+# ---------------------------------------------------------------- every dtype torch can copy
+_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32,
+           torch.uint64, torch.bfloat16, torch.complex64, torch.bool, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", _DTYPES, ids=str)
+def test_dense_and_jagged_rows_of_every_copyable_dtype_round_trip(dtype):
+    """A dense float8/uint16/32/64 put used to fail in index_copy_ after its ids were created."""
+    dp = LocalDataPlane()
+    dp.register_partition("d", [])
+    base = torch.arange(12).reshape(3, 4) % 2
+    dense = base.to(torch.float32).to(dtype) if dtype.is_floating_point else base.to(dtype)
+    dp.put_samples(["a", "b", "c"], "d", {"x": dense, "j": nested_from_lengths(dense.reshape(-1), torch.tensor([4, 4, 4]))})
+    dp.put_samples(["c", "a"], "d", {"x": dense[:2]})  # a scattered multi-row overwrite
+    got = dp.get_samples(["a", "b", "c"], "d", ["x", "j"])
+    want = dense[[1, 1, 0]]
+    assert got["x"].dtype == dtype
+    assert torch.equal(got["x"].view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(got["j"].values().view(torch.uint8), dense.reshape(-1).view(torch.uint8))
+
+
+def test_a_dtype_torch_cannot_copy_is_refused_before_anything_is_written():
+    dp = LocalDataPlane()
+    dp.register_partition("d", [])
+    try:
+        odd = torch.zeros(2, dtype=torch.uint4)
+    except (RuntimeError, TypeError):
+        pytest.skip("this torch cannot build a uint4 tensor")
+    with pytest.raises(TypeError, match="'x' has dtype torch.uint4"):
+        dp.put_samples(["a", "b"], "d", {"ok": torch.zeros(2), "x": odd})
+    assert dp.list_sample_ids("d") == []

@@ -10,6 +10,7 @@ from tq_plugin.data_plane.client import (
     CapacityError,
     DataPlaneClient,
     DataPlaneClosedError,
+    DataPlaneCorruptionError,
     call_dp,
 )
 from tq_plugin.data_plane.column_io import (
@@ -76,6 +77,7 @@ __all__ = [  # noqa: RUF022  (grouped by kind, not sorted)
     "CapacityError",
     "DataPlaneClient",
     "DataPlaneClosedError",
+    "DataPlaneCorruptionError",
     "KVBatchMeta",
     "LocalDataPlane",
     "RayDataPlane",

@@ -25,6 +25,10 @@ class DataPlaneClosedError(RuntimeError):
     """An operation reached a client after ``close()``."""
 
 
+class DataPlaneCorruptionError(RuntimeError):
+    """Stored rows were changed outside the store (a read's shared memory modified in place)."""
+
+
 class CapacityError(RuntimeError):
     """A put would pass the store's capacity (``capacity_bytes``, or a partition's
     ``num_samples``); nothing was written."""

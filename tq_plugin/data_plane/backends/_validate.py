@@ -18,7 +18,7 @@ import torch
 from tensordict import TensorDictBase
 from torch.nested._internal.nested_tensor import NestedTensor
 
-from tq_plugin.data_plane.backends._columns import ColumnSpec
+from tq_plugin.data_plane.backends._columns import ColumnSpec, dtype_support
 from tq_plugin.data_plane.client import FieldsLike
 from tq_plugin.data_plane.schema import INPUT_LENGTHS
 
@@ -160,6 +160,11 @@ def _check_storable(name: str, value: torch.Tensor) -> None:
         )
     if value.is_meta:
         raise ValueError(f"put_samples: field {name!r} is on the meta device and holds no data")
+    if not dtype_support(value.dtype)[0]:
+        raise TypeError(
+            f"put_samples: field {name!r} has dtype {value.dtype}, which torch cannot copy "
+            "element-wise on this device; pack it into uint8 first"
+        )
 
 
 def raise_mismatch(name: str, held: ColumnSpec, given: ColumnSpec) -> None:

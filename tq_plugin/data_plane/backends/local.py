@@ -33,7 +33,12 @@ from tq_plugin.data_plane.backends._validate import (
     prepare,
     str_list,
 )
-from tq_plugin.data_plane.client import CapacityError, DataPlaneClosedError, FieldsLike
+from tq_plugin.data_plane.client import (
+    CapacityError,
+    DataPlaneClosedError,
+    DataPlaneCorruptionError,
+    FieldsLike,
+)
 from tq_plugin.data_plane.meta import KVBatchMeta
 from tq_plugin.data_plane.schema import INPUT_LENGTHS, TOKEN_ALIGNED_FIELDS
 
@@ -400,9 +405,14 @@ class LocalDataPlane(TaskCursors):
     ) -> TensorDict:
         """Exactly the requested rows, in request order, as a ``TensorDict`` of batch ``[N]``.
 
-        Jagged fields come back as ``torch.jagged`` nested tensors, dense fields dense. Every
-        returned tensor is a fresh copy, so callers may modify it freely. Raises ``KeyError``
-        for unknown ids or a field some requested row lacks (never a short read).
+        Jagged fields come back as ``torch.jagged`` nested tensors, dense fields dense. No later
+        write ever changes what a read returned. Dense fields are fresh copies; jagged rows that
+        sit back to back in the store (a read in put order) come back as a view of its
+        append-only buffer, without a copy: treat them as read-only (``clone()`` before an
+        in-place change). An in-place change to such a view would alter acknowledged rows; the
+        store notices it and refuses further reads of that field (``DataPlaneCorruptionError``).
+        Raises ``KeyError`` for unknown ids or a field some requested row lacks (never a short
+        read).
         """
         ids = str_list(sample_ids, "get_samples", "sample_ids")
         names = str_list(select_fields, "get_samples", "select_fields")
@@ -436,6 +446,13 @@ class LocalDataPlane(TaskCursors):
                         f"rows of partition {partition_id!r}: {name_some(lacking)}"
                     )
                 if col.spec.jagged:
+                    if not col.intact:  # type: ignore[union-attr]
+                        raise DataPlaneCorruptionError(
+                            f"get_samples: field {name!r} of partition {partition_id!r} was "
+                            "modified in place through a tensor an earlier get_samples returned "
+                            "(reads share the store's memory; clone() before changing them). "
+                            "Its rows can no longer be trusted: clear and rewrite them."
+                        )
                     values, offsets = col.read(slots)  # type: ignore[misc]
                     out[name] = torch.nested.nested_tensor_from_jagged(values, offsets)
                 else:
