@@ -280,6 +280,7 @@ def test_select_fields_must_be_a_list_not_a_string(store):
         ({"sample_ids": "xy"}, TypeError, "sample_ids must be a list of str, got str"),
         ({"sample_ids": ["x", 2]}, TypeError, "sample_ids must be strings"),
         ({"tags": [{}, 3]}, TypeError, "each tag must be a dict"),
+        ({"tags": 3}, TypeError, "tags must be a list of dicts, got int"),
         ({"extra_info": [1]}, TypeError, "extra_info must be a dict"),
         ({"partition_id": 7}, TypeError, "partition_id and task_name must be str"),
     ],
@@ -432,30 +433,33 @@ def write_back_cases(draw):
     form = draw(st.sampled_from(["padded", "jagged", "dense1d"]))
     width = draw(st.integers(0, 11))
     value = draw(st.sampled_from([0.0, float("nan"), float("inf")]))
-    return ids, lengths, field, form, width, value
+    dtype = draw(st.sampled_from([torch.float32] * 3 + [torch.float16, torch.int64, torch.bool]))
+    return ids, lengths, field, form, width, value, dtype
 
 
 @settings(max_examples=300, deadline=None)
 @given(case=write_back_cases())
-@example(case=(["a", "b", "c"], [1, 1, 1], "advantages", "padded", 9, 0.0))  # issue #8 item 2
-@example(case=(["a", "b", "c"], [-1, 2, 3], "advantages", "padded", 9, 0.0))  # issue #8 item 1
-@example(case=(["a", "zz"], [5, 9], "score", "dense1d", 0, 0.0))  # typo'd id
+@example(case=(["a", "b", "c"], [1, 1, 1], "advantages", "padded", 9, 0.0, torch.float32))  # #8.2
+@example(case=(["a", "b", "c"], [-1, 2, 3], "advantages", "padded", 9, 0.0, torch.float32))  # #8.1
+@example(case=(["a", "zz"], [5, 9], "score", "dense1d", 0, 0.0, torch.float32))  # typo'd id
 def test_fuzz_write_columns(case):
-    ids, lengths, field, form, width, value = case
+    """The partition already holds float32 ``score`` (so another dtype there is refused)."""
+    ids, lengths, field, form, width, value, dtype = case
     stored = {"a": 5, "b": 9, "c": 3}
     client = LocalDataPlane()
     client.register_partition("train", [])
-    first_write(
-        rollout(list(stored.values())), sample_ids=list(stored), client=client, partition_id="train"
-    )
+    batch = rollout(list(stored.values()), score=torch.zeros(3))
+    first_write(batch, sample_ids=list(stored), client=client, partition_id="train")
     n = len(ids)
+    if not dtype.is_floating_point:
+        value = 1
     if form == "padded":
-        tensor = torch.full((n, width), value)
+        tensor = torch.full((n, width), value, dtype=dtype)
     elif form == "jagged":
         rows = torch.tensor([stored.get(s, 1) for s in ids], dtype=torch.int64)
-        tensor = nested_from_lengths(torch.full((int(rows.sum()),), value), rows)
+        tensor = nested_from_lengths(torch.full((int(rows.sum()),), value, dtype=dtype), rows)
     else:
-        tensor = torch.full((n,), value)
+        tensor = torch.full((n,), value, dtype=dtype)
     meta = KVBatchMeta("train", None, ids, sequence_lengths=lengths)
     before = snapshot(client)
     try:

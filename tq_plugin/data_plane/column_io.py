@@ -246,6 +246,8 @@ def first_write(
         dups = sorted({s for s in ids if s in seen or seen.add(s)})  # type: ignore[func-returns-value]
         raise ValueError(f"{where}: duplicate sample_ids {_name_some(dups)}")
     if tags is not None:
+        if isinstance(tags, (str, bytes, Mapping)) or not isinstance(tags, Sequence):
+            raise TypeError(f"{where}: tags must be a list of dicts, got {type(tags).__name__}")
         if len(tags) != n:
             raise ValueError(f"{where}: {len(tags)} tags for a batch of {n} rows")
         if not all(isinstance(t, Mapping) for t in tags):
