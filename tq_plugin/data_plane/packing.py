@@ -14,6 +14,11 @@ Two microbatch shapes, named by ``mode`` throughout this module:
   ``L = round_up(max len_i, sequence_length_round)`` and
   ``n_rows * L <= max_tokens_per_microbatch``.
 
+Errors, everywhere in this module: ``TypeError`` for lengths that are not integers or an
+argument of the wrong type (a budget given as ``"512"``, an args dict that is not a dict);
+``ValueError`` for a negative length, a row over the budget, or an out-of-range argument. Each
+message names the argument.
+
 The argument dicts match NeMo RL's policy plumbing (names and keys):
 ``sequence_packing_args = {algorithm, input_key, input_lengths_key, sequence_length_pad_multiple,
 max_tokens_per_microbatch, [microbatch_order]}`` and ``dynamic_batching_args = {input_key,
@@ -118,7 +123,8 @@ def validate_sequence_packing_args(args: Mapping[str, Any]) -> dict[str, Any]:
 
     ``max_tokens_per_microbatch`` is required (a positive int); ``sequence_length_pad_multiple``
     defaults to 1, ``algorithm`` to ``"first_fit_decreasing"``, ``microbatch_order`` to
-    ``"packer"``. Unknown keys are an error (they are usually typos).
+    ``"packer"``. Unknown keys are an error (they are usually typos). ``TypeError`` for a
+    non-dict or a non-int count; ``ValueError`` for a missing, unknown or out-of-range value.
     """
     where = "sequence_packing_args"
     _check_keys(args, _SEQPACK_KEYS, where)
