@@ -12,16 +12,20 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf, open_dict
 
+import hydra_plugins.tq_plugin
 import tq_plugin
 from tq_plugin.config import PackingConfig, validate_config
+from tq_plugin.config.schema import LEGACY_SCHEMA_GROUP
 
-CONF = Path(tq_plugin.__file__).parent / "conf"
+CONF = Path(tq_plugin.__file__).parent / "conf"  # the recipes' groups and primary configs
+PLUGIN_CONF = Path(hydra_plugins.tq_plugin.__file__).parent / "conf"  # tq/*, in every app
 GROUPS = ["tq/backend", "tq/staging", "tq/packing", "task", "model", "trainer", "recipe",
           "logger", "callbacks"]
 
 
 def _options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+    root = PLUGIN_CONF if group.startswith("tq/") else CONF
+    return sorted(p.stem for p in (root / group).glob("*.yaml"))
 
 
 CASES = [(g, o) for g in GROUPS for o in _options(g)]
@@ -102,9 +106,12 @@ def test_option_composes_validates_and_instantiates(compose_train, tmp_path, gro
         task = instantiate(node)
         assert task.vocab_size > task.num_symbols
     elif group == "model":
+        from torch import nn
+
         from tq_plugin.rl.model import TinyTransformer
 
-        assert isinstance(instantiate(node, vocab_size=16), TinyTransformer)
+        model = instantiate(node, vocab_size=16)
+        assert isinstance(model, TinyTransformer if option == "tiny_transformer" else nn.Module)
     elif group == "trainer":
         import lightning.pytorch as pl
 
@@ -212,8 +219,9 @@ def test_unknown_group_silent_string_trap_is_caught(compose_train):
     # Hydra accepts `+group=option` for a group it does not know and adds a plain string key.
     cfg = compose_train("+tq/packng=none")
     assert cfg["tq/packng"] == "none"
-    with pytest.raises(ValueError, match=r"unknown config group\(s\) \['tq/packng'\]"):
+    with pytest.raises(ValueError, match=r"unknown config group\(s\) \['tq/packng'\]") as err:
         validate_config(cfg)
+    assert "Did you mean: tq/packng -> tq/packing?" in str(err.value)
 
 
 # ----------------------------------------------------------------------- search-path plugin
@@ -237,3 +245,28 @@ def test_groups_compose_in_an_app_without_a_config_dir():
     assert cfg.tq.packing.train_mb_tokens == 2048
     assert cfg.tq.staging.capture_media is True
     assert OmegaConf.get_type(cfg.tq.packing) is PackingConfig
+
+
+def test_other_apps_see_only_the_tq_groups():
+    """The plugin puts tq/backend, tq/staging and tq/packing on every app's search path, nothing
+    else: no recipe groups, no schema group (so an unrelated app's --help lists neither)."""
+    GlobalHydra.instance().clear()
+    with initialize(config_path=None, version_base="1.3"):
+        loader = GlobalHydra.instance().config_loader()
+        groups = set(loader.list_groups(""))
+        tq_groups = set(loader.list_groups("tq"))
+        # An unknown group only becomes a plain string key (Hydra's trap; validate_config
+        # catches the misspelled-group form): the recipe's model config is not composed.
+        cfg = compose(overrides=["+model=tiny_transformer"])
+    GlobalHydra.instance().clear()
+    assert cfg.model == "tiny_transformer"
+    assert not groups & {"model", "task", "recipe", "trainer", "logger", "callbacks"}, groups
+    # tq/schema is the deprecated home of the recipe's task/model/recipe schemas; it goes once
+    # conf/task, conf/recipe and conf/model/hf_causal_lm name the root tq_schema_* configs.
+    assert tq_groups - {LEGACY_SCHEMA_GROUP.split("/")[1]} == {"backend", "staging", "packing"}
+    assert "tq_schema_packing" not in groups
+
+
+def test_recipe_entry_point_finds_its_groups_and_the_tq_groups(compose_train):
+    cfg = compose_train("model=tiny_transformer", "tq/packing=none")
+    assert cfg.model.name == "tiny_transformer" and cfg.tq.packing.name == "none"

@@ -1,11 +1,13 @@
 """Torch-free configuration: typed schemas, ConfigStore registrations and validation.
 
-Importing this package registers the schemas under ``tq/schema/*`` in Hydra's ConfigStore.
+Importing this package registers the schemas in Hydra's ConfigStore (root configs named
+``tq_schema_<name>``, which the shipped YAML options extend).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -57,10 +59,13 @@ def validate_config(cfg: DictConfig) -> dict[str, Any]:
     stray = [k for k in cfg if isinstance(k, str) and "/" in k]
     if stray:
         known = ", ".join(sorted(SCHEMAS))
+        hints = [f"{k} -> {m[0]}" for k in stray
+                 if (m := difflib.get_close_matches(k, list(SCHEMAS), n=1, cutoff=0.6))]
         raise ConfigError(
             f"unknown config group(s) {stray}: Hydra added them as plain keys "
             f"({', '.join(f'{k}={cfg[k]!r}' for k in stray)}). "
-            f"Known groups: {known}"
+            + (f"Did you mean: {', '.join(hints)}? " if hints else "")
+            + f"Known groups: {known}"
         )
     typed: dict[str, Any] = {}
     for group, schema in SCHEMAS.items():

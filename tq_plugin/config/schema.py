@@ -290,7 +290,8 @@ class TQConfig:
     packing: PackingConfig = field(default_factory=PackingConfig)
 
 
-# group -> schema; the YAML options in conf/<group>/ extend ``/tq/schema/<key>``.
+# group -> schema. Each YAML option extends its schema by listing ``/<SCHEMA_PREFIX><name>``
+# (e.g. ``/tq_schema_packing@_here_``) first in its defaults.
 SCHEMAS: dict[str, type] = {
     "tq/backend": BackendConfig,
     "tq/staging": StagingConfig,
@@ -304,14 +305,26 @@ SCHEMAS: dict[str, type] = {
 # Schemas of options that differ from their group's default schema.
 EXTRA_SCHEMAS: dict[str, type] = {"backend_ray": RayBackendConfig}
 
+# Schemas are stored as root configs, not in a group: a group would be listed in every Hydra
+# app's --help (the plugin registers them on every start), and a schema is not an option.
+SCHEMA_PREFIX = "tq_schema_"
+# Deprecated: the group the schemas used to live in; kept until every YAML names the root ones.
+LEGACY_SCHEMA_GROUP = "tq/schema"
+
+
+def schema_name(group_or_option: str) -> str:
+    """The root config name a YAML option lists to extend its schema (``tq_schema_packing``)."""
+    return SCHEMA_PREFIX + group_or_option.split("/")[-1]
+
 
 def register_configs() -> None:
-    """Store every schema under ``tq/schema/<name>``. Pure and idempotent: Hydra may rerun it."""
+    """Store every schema as a root config. Pure and idempotent: Hydra may rerun it."""
     cs = ConfigStore.instance()
-    for group, node in SCHEMAS.items():
-        cs.store(group="tq/schema", name=group.split("/")[-1], node=node, provider=PROVIDER)
-    for name, node in EXTRA_SCHEMAS.items():
-        cs.store(group="tq/schema", name=name, node=node, provider=PROVIDER)
+    nodes = {group.split("/")[-1]: node for group, node in SCHEMAS.items()} | EXTRA_SCHEMAS
+    for name, node in nodes.items():
+        cs.store(name=schema_name(name), node=node, provider=PROVIDER)
+        if name in ("task", "model", "recipe"):  # the recipe's YAML still names tq/schema/*
+            cs.store(group=LEGACY_SCHEMA_GROUP, name=name, node=node, provider=PROVIDER)
 
 
 register_configs()
