@@ -54,6 +54,42 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
+AGGREGATED = ["reward_last_avg", "tokens_per_s", "padded_fraction", "peak_rss_mb"]
+SEED_KEY = "recipe.seed"
+# Keys a packing mode ignores: jobs that differ only in them are the same setting.
+IGNORED_BY_MODE = {"none": ("tq.packing.train_mb_tokens", "tq.packing.logprob_mb_tokens",
+                            "tq.packing.algorithm", "tq.packing.microbatch_order")}
+
+
+def setting_of(overrides: str) -> str:
+    """A job's setting: its swept overrides without the seed and without keys its packing mode
+    ignores (``tq/packing=none`` at two token budgets is one setting)."""
+    parts = [o for o in overrides.split() if not o.startswith(f"{SEED_KEY}=")]
+    mode = next((o.split("=", 1)[1] for o in parts if o.startswith("tq/packing=")), None)
+    ignored = IGNORED_BY_MODE.get(mode, ())
+    return " ".join(o for o in parts if o.split("=", 1)[0] not in ignored)
+
+
+def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per setting: how many jobs (seeds) succeeded, and mean and std of each figure."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(setting_of(r.get("overrides", "")), []).append(r)
+    out = []
+    for setting, members in groups.items():
+        ok = [r for r in members if r.get("status") == "ok"]
+        entry: dict[str, Any] = {"setting": setting or "(defaults)", "jobs": len(members),
+                                 "ok": len(ok)}
+        for key in AGGREGATED:
+            values = [float(r[key]) for r in ok if r.get(key) is not None]
+            mean = sum(values) / len(values) if values else None
+            std = ((sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
+                   if len(values) > 1 else 0.0 if values else None)
+            entry[f"{key}_mean"], entry[f"{key}_std"] = mean, std
+        out.append(entry)
+    return out
+
+
 def _fmt(value: Any) -> str:
     if value is None:
         return ""
@@ -76,27 +112,44 @@ def write_report(sweep_dir: Path) -> dict[str, Any]:
     if failed:
         lines += ["", "Failed jobs:"]
         lines += [f"- `{r['job']}`: {r.get('error')}" for r in failed]
+    settings = aggregate(rows)
+    lines += ["", "Per setting (mean ± std over seeds and duplicate jobs):", "",
+              "| setting | ok/jobs | " + " | ".join(AGGREGATED) + " |",
+              "|---|---|" + "---|" * len(AGGREGATED)]
+    for e in settings:
+        cells = [f"{_fmt(e[f'{k}_mean'])} ± {_fmt(e[f'{k}_std'])}" for k in AGGREGATED]
+        lines.append(f"| {e['setting']} | {e['ok']}/{e['jobs']} | " + " | ".join(cells) + " |")
     (sweep_dir / "comparison.md").write_text("\n".join(lines) + "\n")
-    _plot(rows, sweep_dir / "comparison.png")
-    return {"rows": rows, "failed": len(failed), "dir": str(sweep_dir)}
+    with open(sweep_dir / "comparison_by_setting.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(settings[0]) if settings else ["setting"])
+        writer.writeheader()
+        writer.writerows(settings)
+    _plot(settings, sweep_dir / "comparison.png")
+    return {"rows": rows, "settings": settings, "failed": len(failed), "dir": str(sweep_dir)}
 
 
-def _plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
+def _plot(settings: list[dict[str, Any]], path: Path) -> None:
+    """One bar per setting (every setting, failed ones in red), mean with a ± std error bar."""
+    try:
+        import matplotlib
+    except ImportError:  # plotting is the `plot` extra
+        log.warning("matplotlib is not installed: no %s (pip install 'tq_plugin[plot]')", path.name)
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [r["overrides"].replace(" ", "\n") or r["job"] for r in rows]
-    fig, axes = plt.subplots(1, 4, figsize=(14, 2 + 0.45 * max(len(labels), 1)), sharey=True)
+    labels = [e["setting"].replace(" ", "\n") for e in settings]
+    height = 2 + 0.55 * max(len(labels), 1)
+    fig, axes = plt.subplots(1, 4, figsize=(14, height), sharey=True)
     for ax, (key, title) in zip(axes, [("tokens_per_s", "train tokens/s"),
                                       ("padded_fraction", "padded-token fraction"),
                                       ("peak_rss_mb", "peak RSS (MB)"),
                                       ("reward_last_avg", "final reward")]):
-        values = [r.get(key) or 0.0 for r in rows]
-        colours = ["tab:blue" if r["status"] == "ok" else "tab:red" for r in rows]
-        ax.barh(range(len(rows)), values, color=colours)
-        ax.set_yticks(range(len(rows)), labels, fontsize=7)
+        values = [e[f"{key}_mean"] or 0.0 for e in settings]
+        errors = [e[f"{key}_std"] or 0.0 for e in settings]
+        colours = ["tab:blue" if e["ok"] else "tab:red" for e in settings]
+        ax.barh(range(len(settings)), values, xerr=errors, color=colours, capsize=3)
+        ax.set_yticks(range(len(settings)), labels, fontsize=7)
         ax.set_title(title)
     axes[0].invert_yaxis()
     fig.tight_layout()
