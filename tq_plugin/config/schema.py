@@ -25,6 +25,7 @@ PROVIDER = "tq_plugin"
 PACKING_ALGORITHMS = ("modified_first_fit_decreasing", "first_fit_decreasing")
 MICROBATCH_ORDERS = ("packer", "largest_first")
 LAYOUTS = ("padded", "packed")
+PACKING_MODES = ("none", "sequence_packing", "dynamic_batching")
 PIXEL_DTYPES = ("float32", "float16", "bfloat16")
 ALGORITHMS = ("ppo", "grpo")
 

@@ -16,6 +16,7 @@ from lightning.pytorch import LightningModule
 from tensordict import TensorDict
 from torch import nn
 
+from tq_plugin.config.schema import PACKING_MODES, PackingConfig
 from tq_plugin.data_plane.column_io import first_write, nested_from_lengths
 from tq_plugin.data_plane.meta import KVBatchMeta
 from tq_plugin.data_plane.schema import (
@@ -35,7 +36,6 @@ from tq_plugin.data_plane.schema import (
 from tq_plugin.lightning.driver import TQDriverMixin
 from tq_plugin.lightning.module import MetaBatchMixin
 
-PACKING_MODES = ("none", "sequence_packing", "dynamic_batching")
 ROLLOUT_FIELDS = (*DP_TRAIN_FIELDS, VALUES, RETURNS)
 
 
@@ -49,32 +49,23 @@ def packing_setup(
     sequence_length_pad_multiple: int = 1,
     algorithm: str = "modified_first_fit_decreasing",
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(cfg, host_attributes)`` for a ``TQDriverMixin`` host in one packing mode."""
+    """``(cfg, host_attributes)`` for a ``TQDriverMixin`` host in one packing mode.
+
+    Built by ``PackingConfig`` (the one definition of both), so the demos and the recipes agree.
+    """
     if mode not in PACKING_MODES:
         raise ValueError(f"packing mode must be one of {list(PACKING_MODES)}, got {mode!r}")
-    tokens = {"train_mb_tokens": train_mb_tokens, "logprob_mb_tokens": logprob_mb_tokens}
-    cfg: dict[str, Any] = {
-        "dynamic_batching": {"enabled": mode == "dynamic_batching",
-                             "sequence_length_round": sequence_length_round, **tokens},
-        "sequence_packing": {"enabled": mode == "sequence_packing", "algorithm": algorithm,
-                             **tokens},
-        "make_sequence_length_divisible_by": sequence_length_pad_multiple,
-    }
-    if micro_batch_size is not None:
-        cfg["train_micro_batch_size"] = micro_batch_size
-    attrs: dict[str, Any] = {"use_sequence_packing": mode == "sequence_packing",
-                             "use_dynamic_batches": mode == "dynamic_batching"}
-    if mode == "dynamic_batching":
-        attrs["dynamic_batching_args"] = {
-            "input_key": INPUT_IDS, "input_lengths_key": INPUT_LENGTHS,
-            "sequence_length_round": sequence_length_round, "max_tokens_per_microbatch": 0,
-        }
-    if mode == "sequence_packing":
-        attrs["sequence_packing_args"] = {
-            "algorithm": algorithm, "input_key": INPUT_IDS, "input_lengths_key": INPUT_LENGTHS,
-            "sequence_length_pad_multiple": sequence_length_pad_multiple,
-        }
-    return cfg, attrs
+    packing = PackingConfig(
+        name=mode, use_sequence_packing=mode == "sequence_packing",
+        use_dynamic_batches=mode == "dynamic_batching", train_mb_tokens=train_mb_tokens,
+        logprob_mb_tokens=logprob_mb_tokens, micro_batch_size=micro_batch_size or 1,
+        sequence_length_round=sequence_length_round,
+        sequence_length_pad_multiple=sequence_length_pad_multiple, algorithm=algorithm,
+    )
+    cfg = packing.model_cfg()
+    if micro_batch_size is None:  # one microbatch per global batch
+        del cfg["train_micro_batch_size"]
+    return cfg, packing.host_attributes()
 
 
 def partition_spec(partition_id: str = "train") -> dict[str, Any]:
