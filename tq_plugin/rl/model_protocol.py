@@ -111,13 +111,19 @@ def _fail(model: nn.Module, role: str, rule: str) -> None:
     )
 
 
-def _call(model: nn.Module, role: str, layout: str, ids: torch.Tensor, **kwargs) -> torch.Tensor:
+def _call(model: nn.Module, role: str, layout: str, ids: torch.Tensor, vocab_size: int,
+          **kwargs) -> torch.Tensor:
     try:
         out = model(ids, **kwargs)
     except TypeError as exc:
         if kwargs and "keyword" in str(exc):
             _fail(model, role, f"the {layout} layout passes {sorted(kwargs)} as keywords ({exc})")
         raise
+    except (IndexError, RuntimeError, ValueError) as exc:
+        raise ModelInterfaceError(
+            f"model._target_ built {type(model).__qualname__} as the {role} model, whose forward "
+            f"fails on the {layout} probe (input_ids {tuple(ids.shape)} with token ids < the "
+            f"task's vocab_size {vocab_size}): {type(exc).__name__}: {exc}") from exc
     if not isinstance(out, torch.Tensor):
         _fail(model, role, f"forward must return a tensor, got {type(out).__name__}")
     if not torch.isfinite(out).all():
@@ -175,11 +181,11 @@ def check_model(
     was_training = model.training
     model.eval()
     try:
-        padded = _call(model, role, "padded", ids)
+        padded = _call(model, role, "padded", ids, vocab_size)
         _expect_shape(model, role, "padded", ids, padded, vocab_size)
         changed = ids.clone()
         changed[:, -1] = (changed[:, -1] + 1) % vocab_size
-        ok, gap = _close(_call(model, role, "padded", changed)[:, :-1], padded[:, :-1])
+        ok, gap = _close(_call(model, role, "padded", changed, vocab_size)[:, :-1], padded[:, :-1])
         if not ok:
             _fail(model, role, f"it must be causal: changing the last token moved earlier "
                                f"outputs by {gap:.3g}")
@@ -187,7 +193,7 @@ def check_model(
             index = PackedIndex(lengths)
             real = torch.arange(ids.shape[1]) < lengths.unsqueeze(1)
             row = ids[real.to(device)].unsqueeze(0)
-            packed = _call(model, role, "packed", row,
+            packed = _call(model, role, "packed", row, vocab_size,
                            position_ids=index.position_ids.unsqueeze(0).to(device),
                            segment_ids=index.segment_ids.unsqueeze(0).to(device))
             _expect_shape(model, role, "packed", row, packed, vocab_size)
