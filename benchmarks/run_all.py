@@ -13,7 +13,8 @@ import sys
 
 from benchmarks._common import machine
 
-MODULES = ["bench_data_plane", "bench_packing", "bench_lightning", "bench_staging", "soak"]
+MODULES = ["bench_data_plane", "bench_backends", "bench_packing", "bench_lightning", "bench_staging",
+           "soak"]
 HERE = pathlib.Path(__file__).parent
 
 
