@@ -58,9 +58,11 @@ from tq_plugin.lightning import MICROBATCH_INFO, DataPlaneCallback, MetaDataModu
 from tq_plugin.rl import ranks
 from tq_plugin.rl.advantages import gae, group_relative, turn_end_rewards, whiten
 from tq_plugin.rl.metrics import RESULT_FILE, MetricsLog, _Step
+from tq_plugin.rl.model_protocol import check_models
 from tq_plugin.rl.module import RLModule
 from tq_plugin.rl.rollout import RolloutWorker
 from tq_plugin.rl.task import IMG, PAD
+from tq_plugin.rl.weights import save_final_weights
 from tq_plugin.staging import RolloutReassembler
 
 log = logging.getLogger(__name__)
@@ -113,6 +115,8 @@ class RLRecipe:
                              f"task's longest episode ({max_len} tokens)")
         policy = instantiate(self.cfg.model, output_token_ids=self.task.output_token_ids, **common)
         value = instantiate(self.cfg.model, value_head=True, **common) if self.ppo else None
+        check_models(policy, value, vocab_size=self.task.vocab_size, layout=self.packing.layout,
+                     media=self.media)
         self.module = RLModule(policy=policy, value=value, recipe=self.rc, packing=self.packing,
                                media=self.media)
 
@@ -260,6 +264,7 @@ class RLRecipe:
         self.summary = self.metrics.summary(sum(t for _, t in per_rank))
         if self.rc.save_artifacts:
             self.metrics.write(self.cfg, self.summary)
+            save_final_weights(self.output_dir, policy=self.module.policy, value=self.module.value)
 
     def _dp_bytes(self) -> int:
         counters = self.callback.client.snapshot() if self.callback.client is not None else None
