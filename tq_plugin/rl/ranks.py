@@ -25,12 +25,12 @@ import torch
 
 from tq_plugin.data_plane import KVBatchMeta, call_dp
 from tq_plugin.data_plane.sharding import shard_meta_for_dp
+from tq_plugin.rl.metrics import rl_metrics
 
-# Per-step fields of tq_plugin.rl.metrics' step record, by how ranks combine them; any other
-# field (rewards, timings of the rollout) comes from the step's rollouts, the same on every rank.
-SUMMED = ("real_tokens", "padded_tokens", "microbatches", "dp_bytes")
-MAXED = ("train_s",)
-AVERAGED = ("loss", "clipfrac", "approx_kl", "value_loss")
+# Per-rank microbatch sums whose rank values are the rank's share times the world size (the
+# loss is divided by loss_norm / world_size): summed over ranks they count the world size once
+# too often.
+SCALED_BY_WORLD = ("loss", "value_loss")
 PARALLEL_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
 
 
@@ -107,17 +107,31 @@ def gather_objects(obj: Any, world: int) -> list[Any]:
 
 
 def merge_rank_steps(per_rank: list[list[Any]]) -> list[Any]:
-    """One step record per RL step from every rank's records of that step."""
+    """One step record per RL step from every rank's records of that step.
+
+    The ranks' microbatch sums add up (tokens, clipped and action tokens, ...) and the per-step
+    figures are derived again from the totals; the rollout fields are the same on every rank;
+    ``train_s`` is the slowest rank's (the ranks wait for each other every optimizer step).
+    """
     merged = []
+    world = len(per_rank)
     for records in zip(*per_rank, strict=True):
         if len({r.step for r in records}) != 1:
             raise RuntimeError(f"ranks trained different RL steps: {[r.step for r in records]}")
-        values: dict[str, Any] = {}
-        for name in SUMMED:
-            values[name] = sum(getattr(r, name) for r in records)
-        for name in MAXED:
-            values[name] = max(getattr(r, name) for r in records)
-        for name in AVERAGED:
-            values[name] = sum(getattr(r, name) for r in records) / len(records)
-        merged.append(dataclasses.replace(records[0], **values))
+        sums: dict[str, float] = {}
+        for record in records:
+            for key, value in record.sums.items():
+                sums[key] = sums.get(key, 0.0) + value
+        for key in SCALED_BY_WORLD:
+            if key in sums:
+                sums[key] /= world
+        first = records[0]
+        train_s = max(r.train_s for r in records)
+        figures = rl_metrics(sums, first.global_batches)
+        figures["tokens_per_s"] = sums.get("real_tokens", 0.0) / train_s if train_s else 0.0
+        merged.append(dataclasses.replace(
+            first, sums=sums, **figures, train_s=train_s,
+            real_tokens=sums.get("real_tokens", 0.0), padded_tokens=sums.get("padded_tokens", 0.0),
+            microbatches=sum(r.microbatches for r in records),
+            dp_bytes=sum(r.dp_bytes for r in records)))
     return merged

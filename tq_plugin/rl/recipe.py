@@ -86,6 +86,21 @@ class RLRecipe:
         self.output_dir = Path(output_dir)
         self.ppo = self.rc.algorithm == "ppo"
 
+    def __getstate__(self) -> dict[str, Any]:
+        # ddp_spawn pickles the recipe (the step source is its bound method) through
+        # torch.multiprocessing, which cannot rebuild a torch.Generator: ship its state as bytes
+        # (a tensor made here would be freed before the child maps its shared memory).
+        state = dict(self.__dict__)
+        if "generator" in state:
+            state["generator"] = state["generator"].get_state().numpy().tobytes()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if "generator" in state:
+            rng = torch.frombuffer(bytearray(state["generator"]), dtype=torch.uint8)
+            state["generator"] = torch.Generator().set_state(rng)
+        self.__dict__.update(state)
+
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         # MetaBatchMixin overrides the module's batch-transfer hooks on purpose.
@@ -98,7 +113,6 @@ class RLRecipe:
         self.task = instantiate(self.cfg.task, media=self.media, seed=self.rc.seed)
         # One rollout stream for the run, the same on every rank (see tq_plugin.rl.ranks).
         self.generator = torch.Generator().manual_seed(self.rc.seed + 1009)
-        self.step_rng_state = self.generator.get_state()
         self.summary: dict[str, Any] | None = None
         self._setup_models()
         self._setup_trainer()
@@ -182,7 +196,6 @@ class RLRecipe:
         if self.worker is None:
             self._setup_data_path()
         m = self.module
-        self.step_rng_state = self.generator.get_state()  # a resumed step replays from here
         t0 = time.perf_counter()
         batch = self.worker.run(m.policy, step=step, prompts=self.rc.prompts_per_step,
                                 group_size=self.rc.group_size, generator=self.generator)
@@ -194,10 +207,12 @@ class RLRecipe:
             m.forward_pass(meta, role="value", step=step)
         self._write_advantages(meta)
         actions, lp_gap = self._check_rows(meta)
+        # Plain JSON values: DataPlaneCallback checkpoints the step meta (a resume reuses it).
         meta.extra_info[RL_STEP] = {
             # Loss normalizer: a global batch's action tokens (the same under every packing mode).
             "loss_norm": max(1, actions // self.rc.minibatches),
-            "rewards": batch.rewards, "turn_scores": batch.turn_scores, "rollout_s": t1 - t0,
+            "rewards": batch.rewards.tolist(), "turn_scores": batch.turn_scores.tolist(),
+            "rollout_s": t1 - t0,
             "prepare_s": time.perf_counter() - t1, "failed_calls": batch.failed_calls,
             "lp_gap": lp_gap,
         }
@@ -260,7 +275,8 @@ class RLRecipe:
         per_rank = ranks.gather_objects((self.metrics.steps, total), trainer.world_size)
         if not trainer.is_global_zero:
             return
-        self.metrics.steps = ranks.merge_rank_steps([steps for steps, _ in per_rank])
+        merged = ranks.merge_rank_steps([steps for steps, _ in per_rank])
+        self.metrics.steps = self.step_callback.restored + merged
         self.summary = self.metrics.summary(sum(t for _, t in per_rank))
         if self.rc.save_artifacts:
             self.metrics.write(self.cfg, self.summary)
@@ -279,14 +295,16 @@ class RLStepCallback(Callback):
       step's first microbatch, start the step's metrics record.
     * ``on_train_end``: reduce the metrics over ranks; rank 0 writes the artifacts.
     * ``on_exception`` (SIGTERM, one process): write the finished steps' artifacts.
-    * checkpoint state: the rollout generator at the start of the step in flight and the
-      finished steps' metrics, so a resumed run replays that step and reports every step.
+    * checkpoint state: the rollout generator (a resumed run never replays random draws it
+      already used) and the finished steps' metrics, reduced over ranks, so the resumed run's
+      artifacts cover every step.
     """
 
     def __init__(self, recipe: RLRecipe) -> None:
         self.recipe = recipe
         self.step: int | None = None
         self.steps_trained = 0
+        self.restored: list[_Step] = []  # finished steps' metrics from the checkpoint
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
@@ -295,14 +313,15 @@ class RLStepCallback(Callback):
         info = meta.extra_info[MICROBATCH_INFO]
         rl = meta.extra_info[RL_STEP]
         pl_module.loss_norm = rl["loss_norm"] / trainer.world_size
-        pl_module.current_reward = float(rl["rewards"].mean())
+        rewards = torch.tensor(rl["rewards"])
+        pl_module.current_reward = float(rewards.mean())
         if info["step"] == self.step:
             return
         self.step = info["step"]
         self.steps_trained += 1
         client = pl_module.dp_client
         self.recipe.metrics.on_step_ready(
-            self.step, rewards=rl["rewards"], turn_scores=rl["turn_scores"],
+            self.step, rewards=rewards, turn_scores=torch.tensor(rl["turn_scores"]),
             rollout_s=rl["rollout_s"], prepare_s=rl["prepare_s"], failed_calls=rl["failed_calls"],
             lp_gap=rl["lp_gap"], dp=client.snapshot() if hasattr(client, "snapshot") else None)
         _info_rank_zero("RL step %d: reward %.3f", self.step, pl_module.current_reward)
@@ -320,7 +339,7 @@ class RLStepCallback(Callback):
         recipe = self.recipe
         if (isinstance(exception, SIGTERMException) and trainer.world_size == 1
                 and recipe.rc.save_artifacts):
-            recipe.metrics.steps = self._finished_steps()
+            recipe.metrics.steps = self.restored + self._finished_steps()
             summary = {**recipe.metrics.summary(recipe._dp_bytes()), "status": "interrupted"}
             recipe.metrics.write(recipe.cfg, summary)
 
@@ -330,13 +349,17 @@ class RLStepCallback(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"step_rng_state": self.recipe.step_rng_state,
-                "steps": [dataclasses.asdict(s) for s in self._finished_steps()]}
+        # Lightning asks every rank for its state before rank 0 writes the checkpoint.
+        world = self.recipe.world_size
+        finished = ranks.gather_objects(self._finished_steps(), world)
+        steps = self.restored + ranks.merge_rank_steps(finished)
+        return {"rng_state": self.recipe.generator.get_state(),
+                "steps": [dataclasses.asdict(s) for s in steps]}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.recipe.generator.set_state(state_dict["step_rng_state"])
-        self.recipe.metrics.steps = [_Step(**s) for s in state_dict["steps"]]
+        self.recipe.generator.set_state(state_dict["rng_state"])
+        self.restored = [_Step(**s) for s in state_dict["steps"]]
 
 
 class SigtermCheckpoint(Callback):

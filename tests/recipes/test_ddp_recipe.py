@@ -1,0 +1,207 @@
+"""The recipes over several DDP ranks, on SIGTERM, and resumed from a checkpoint.
+
+The subprocess runs (slow tier) are few: each pays seconds of imports per process.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
+
+from tq_plugin import cli
+from tq_plugin.data_plane import LocalDataPlane, RayDataPlane, first_write
+from tq_plugin.rl import ranks
+from tq_plugin.rl.recipe import RLRecipe
+
+FAST = ["recipe.prompts_per_step=4", "recipe.ppo_epochs=1", "trainer.enable_progress_bar=false"]
+LAUNCHER_VARS = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_", "GLOBAL_RANK")
+
+
+@pytest.fixture(autouse=True)
+def _clean_hydra():
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    GlobalHydra.instance().clear()
+    yield
+    GlobalHydra.instance().clear()
+
+
+def compose_ppo(*overrides: str):
+    with initialize_config_module(config_module="tq_plugin.conf", version_base="1.3"):
+        return compose("ppo", overrides=[*FAST, *overrides])
+
+
+def in_process(out: Path, *overrides: str) -> dict:
+    """One run of the real entry point in this process; its result.json."""
+    GlobalHydra.instance().clear()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys, "argv", ["tq-train", f"hydra.run.dir={out}", *FAST, *overrides])
+        cli.main(config_name="ppo")
+    return json.loads((out / "result.json").read_text())
+
+
+def subprocess_cmd(out: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "tq_plugin.cli", "--config-name", "ppo",
+            f"hydra.run.dir={out}", *FAST, *overrides]
+
+
+def clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_VARS)}
+
+
+def rows(out: Path) -> list[dict]:
+    with open(out / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+# ----------------------------------------------------------------------- fast: start-up checks
+def test_trainer_keys_are_config_keys():
+    """strategy, devices, num_nodes and precision are keys of the trainer group (no ``+``)."""
+    cfg = compose_ppo("trainer.strategy=ddp_spawn", "trainer.devices=3", "trainer.num_nodes=1",
+                      "trainer.precision=bf16-mixed")
+    assert (cfg.trainer.strategy, cfg.trainer.devices, cfg.trainer.precision) == \
+        ("ddp_spawn", 3, "bf16-mixed")
+    preset = compose_ppo("trainer=ddp_cpu").trainer
+    assert (preset.accelerator, preset.strategy, preset.devices) == ("cpu", "ddp", 2)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        # 4 prompts x 4 samples = 16 rows do not split over 3 ranks.
+        (["trainer=ddp_cpu", "trainer.devices=3"], "must divide evenly over 3 DDP ranks"),
+        (["trainer=ddp_cpu", "tq/backend=ray"], "RayDataPlane cannot be used by 2 DDP ranks"),
+    ],
+    ids=["uneven-global-batch", "ray-not-rank-shared"],
+)
+def test_a_run_the_recipe_cannot_honour_fails_at_start(tmp_path, overrides, message):
+    if "tq/backend=ray" in overrides and ranks.shared_across_ranks(RayDataPlane):
+        pytest.skip("RayDataPlane is shared across ranks now: the 2-rank run covers it")
+    recipe = RLRecipe(compose_ppo(*overrides), tmp_path / "out")
+    with pytest.raises(ValueError, match=message):
+        recipe.setup()
+    assert not (tmp_path / "out").exists()  # nothing written, no process or store started
+
+
+class _Strategy(SimpleNamespace):
+    """Rank ``global_rank`` of two; ``other`` is what the other rank contributes to a reduce."""
+
+    def reduce(self, tensor, reduce_op):
+        assert reduce_op == "max"
+        return torch.maximum(tensor, self.other(tensor))
+
+
+def _step(client: LocalDataPlane, lengths: list[int]):
+    client.register_partition("train", fields=[])
+    rows = {"sample_mask": torch.ones(len(lengths)), "input_lengths": torch.tensor(lengths)}
+    return first_write(rows, sample_ids=[f"row{i}" for i in range(len(lengths))], client=client,
+                       partition_id="train")
+
+
+def test_replica_shard_keeps_this_ranks_balanced_half_and_clears_the_rest():
+    client = LocalDataPlane()
+    meta = _step(client, [9, 1, 8, 2, 7, 3, 6, 4])
+    strategy = _Strategy(world_size=2, global_rank=1, root_device=torch.device("cpu"),
+                         other=lambda t: t)
+    mine = ranks.replica_shard(meta, client, strategy=strategy, global_batch=4)
+    assert mine.size == 4
+    assert client.list_sample_ids("train") == mine.sample_ids  # the other half is gone
+    halves = [mine.sequence_lengths[:2], mine.sequence_lengths[2:]]  # one per global batch
+    assert [sum(h) for h in halves] == [10, 10]  # each global batch split by tokens, evenly
+
+
+def test_replica_shard_refuses_ranks_that_generated_different_steps():
+    client = LocalDataPlane()
+    meta = _step(client, [5, 6, 7, 8])
+    strategy = _Strategy(world_size=2, global_rank=0, root_device=torch.device("cpu"),
+                         other=lambda t: t + 1)
+    with pytest.raises(RuntimeError, match="generated different rollouts"):
+        ranks.replica_shard(meta, client, strategy=strategy, global_batch=4)
+    assert len(client.list_sample_ids("train")) == 4  # nothing cleared
+
+
+# ----------------------------------------------------------------------- slow: real ranks
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("one_process")
+    in_process(out, "recipe.num_steps=2")
+    return rows(out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("strategy", "steps"), [("ddp", 2), ("ddp_spawn", 1)])
+def test_two_ranks_train_the_one_process_update(tmp_path, one_process, strategy, steps):
+    """Same seed: 2 ranks run exactly num_steps, on the one-process global batch, and their
+    first update's loss (reduced over ranks) equals the one-process loss; rank 0 writes."""
+    proc = subprocess.run(
+        subprocess_cmd(tmp_path, "trainer=ddp_cpu", f"trainer.strategy={strategy}",
+                       f"recipe.num_steps={steps}"),
+        cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=280, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank}/2: {steps} RL steps, {steps} optimizer steps" in proc.stdout
+    got = rows(tmp_path)
+    assert [int(r["step"]) for r in got] == list(range(steps))
+    assert json.loads((tmp_path / "result.json").read_text())["steps"] == steps
+    for ddp, ref in zip(got, one_process):
+        assert int(ddp["train_tokens"]) == int(ref["train_tokens"])  # the same global batch
+        assert float(ddp["reward"]) == float(ref["reward"])  # the same rollouts
+    first, ref = float(got[0]["loss"]), float(one_process[0]["loss"])
+    assert first == pytest.approx(ref, rel=1e-4, abs=1e-6)
+
+
+def _wait_for(path: Path, text: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text():
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended (rc {proc.returncode}) before logging {text!r}")
+        time.sleep(0.2)
+    pytest.fail(f"no {text!r} in {path} within {timeout} s")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sigterm_checkpoints_and_exits_non_zero_and_ckpt_path_resumes(tmp_path):
+    out = tmp_path / "stopped"
+    proc = subprocess.Popen(subprocess_cmd(out, "recipe.num_steps=200"), cwd=tmp_path,
+                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        _wait_for(out / "tq-train.log", "RL step 1:", proc, timeout=150)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    ckpt = out / "checkpoints" / "sigterm.ckpt"
+    assert ckpt.is_file()
+    result = json.loads((out / "result.json").read_text())
+    assert result["status"] == "interrupted"
+    done = torch.load(ckpt, weights_only=False)["callbacks"]
+    completed = next(v["completed_steps"] for k, v in done.items() if "DataPlaneCallback" in k)
+    assert [int(r["step"]) for r in rows(out)] == list(range(completed))
+
+    resumed = tmp_path / "resumed"
+    target = completed + 2
+    summary = in_process(resumed, f"ckpt_path={ckpt}", f"recipe.num_steps={target}")
+    assert summary["status"] == "ok" and summary["steps"] == target
+    assert [int(r["step"]) for r in rows(resumed)] == list(range(target))
+    # The finished steps' figures came back from the checkpoint unchanged.
+    assert rows(resumed)[:completed] == rows(out)
