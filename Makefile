@@ -19,7 +19,7 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_SPEC)
-	$(PY) -m pip install --quiet -e '.[test,ray,tq]'
+	$(PY) -m pip install --quiet -e '.[test,ray,tq,hf]'
 	-$(PY) -m pip install --quiet --no-deps --ignore-requires-python nemo-gym==0.7.0
 	touch $(STAMP)
 
