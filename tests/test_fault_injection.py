@@ -364,10 +364,10 @@ def test_token_staging_under_randomized_faults() -> None:
 VIOLATION = "VIOLATION: "
 
 
-def _run_collecting(
-    schedule: Callable[..., None], figures: Counter[str], injected: Counter
-) -> None:
-    """Run every schedule; a violated invariant is counted by kind (first seed kept), not fatal."""
+def _run_suite(title: str, schedule: Callable[..., None]) -> None:
+    """Run every schedule, counting a violated invariant by kind (not stopping), then report."""
+    figures: Counter[str] = Counter()
+    injected: Counter = Counter()
     for seed in range(SCHEDULES):
         try:
             schedule(seed, figures, injected)
@@ -375,9 +375,7 @@ def _run_collecting(
             kind = str(exc).split(":", 1)[-1].strip().split("\n")[0][:90]
             figures[f"{VIOLATION}{kind}"] += 1
         figures["schedules run"] += 1
-
-
-def _assert_no_violations(figures: Counter[str]) -> None:
+    _report(title, figures, injected)
     bad = {k: v for k, v in figures.items() if k.startswith(VIOLATION)}
     assert not bad, f"invariants violated: {bad}"
 
@@ -438,11 +436,7 @@ def _column_io_schedule(seed: int, figures: Counter[str], injected: Counter) -> 
     "time; owner: column_io.py",
 )
 def test_column_io_under_randomized_faults() -> None:
-    figures: Counter[str] = Counter()
-    injected: Counter = Counter()
-    _run_collecting(_column_io_schedule, figures, injected)
-    _report("column I/O: first_write, write_columns, read_columns", figures, injected)
-    _assert_no_violations(figures)
+    _run_suite("column I/O: first_write, write_columns, read_columns", _column_io_schedule)
 
 
 # ------------------------------------------------------------------ the Lightning callback
@@ -506,8 +500,4 @@ def _callback_schedule(seed: int, figures: Counter[str], injected: Counter) -> N
     "and the step's rows are never cleared; owner: lightning/callback.py",
 )
 def test_lightning_callback_under_randomized_faults() -> None:
-    figures: Counter[str] = Counter()
-    injected: Counter = Counter()
-    _run_collecting(_callback_schedule, figures, injected)
-    _report("Lightning DataPlaneCallback: write-back and step clear", figures, injected)
-    _assert_no_violations(figures)
+    _run_suite("Lightning DataPlaneCallback: write-back and step clear", _callback_schedule)

@@ -57,15 +57,20 @@ def _u64(value: Any, name: str) -> bytes:
     return _U64.pack(value)
 
 
-def _text(value: Any) -> bytes:
+def _text(value: Any, name: str = "value") -> bytes:
     if type(value) is not str:
-        raise TypeError(f"expected text, got {type(value).__name__}")
-    raw = value.encode("utf-8")
+        raise TypeError(f"{name}: expected text, got {type(value).__name__}")
+    try:
+        raw = value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{name} is not valid UTF-8 text (lone surrogate at position {exc.start})"
+        ) from None
     return _U64.pack(len(raw)) + raw
 
 
-def _opt_text(value: str | None) -> bytes:
-    return b"\x00" if value is None else b"\x01" + _text(value)
+def _opt_text(value: str | None, name: str) -> bytes:
+    return b"\x00" if value is None else b"\x01" + _text(value, name)
 
 
 def digest_to_bytes(value: Any, name: str) -> bytes:
@@ -73,6 +78,13 @@ def digest_to_bytes(value: Any, name: str) -> bytes:
     if type(value) is not str or _HEX_DIGEST.fullmatch(value) is None:
         raise ValueError(f"{name} must be a lowercase SHA-256 hex digest")
     return bytes.fromhex(value)
+
+
+def _as_list(values: Any, name: str, what: str) -> list[Any]:
+    """A column given as some other iterable, as a list; a non-iterable is a TypeError naming it."""
+    if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"{name} must be a list of {what}, got {type(values).__name__}")
+    return list(values)
 
 
 def _first_bad(values: Any, ok: np.ndarray) -> Any:
@@ -107,7 +119,7 @@ def token_id_bytes(
             raise ValueError(f"{name} must be an unsigned 64-bit integer, got {int(bad)}")
         return token_ids.size, token_ids.astype(">u8", copy=False).tobytes()
     if type(token_ids) is not list:
-        token_ids = list(token_ids)
+        token_ids = _as_list(token_ids, name, "ints")
     if check_types and set(map(type, token_ids)) - {int}:
         bad = next(v for v in token_ids if type(v) is not int)
         raise ValueError(f"{name} must be an unsigned 64-bit integer, got {bad!r}")
@@ -153,7 +165,7 @@ def float32_bytes(values: Any, name: str, *, check_types: bool = True) -> tuple[
             )
         return values, wire.tobytes()
     if type(values) is not list:
-        values = list(values)
+        values = _as_list(values, name, "floats")
     if check_types and set(map(type, values)) - {float}:
         bad = next(v for v in values if type(v) is not float)
         raise ValueError(f"{name} values must be finite Python floats, got {bad!r}")
@@ -243,7 +255,7 @@ def _encode_extras_value(value: Any, out: list[bytes]) -> None:
             raise ValueError("extras floats must be finite")
         out.append(b"F" + _F64.pack(value))
     elif kind is str:
-        out.append(b"S" + _text(value))
+        out.append(b"S" + _text(value, "extras text"))
     elif kind is list:
         out.append(b"L" + _U64.pack(len(value)))
         if len(value) >= _EXTRAS_FAST_INTS and set(map(type, value)) == {int}:
@@ -258,7 +270,7 @@ def _encode_extras_value(value: Any, out: list[bytes]) -> None:
         for key in value:
             if type(key) is not str:
                 raise TypeError("extras mappings must have string keys")
-            entries.append((key.encode("utf-8"), key))
+            entries.append((_text(key, "extras key")[_U64.size :], key))
         entries.sort()
         out.append(b"D" + _U64.pack(len(entries)))
         for raw, key in entries:
@@ -311,21 +323,29 @@ def _check_identity(
     prev_len: Any,
 ) -> None:
     if type(schema_version) is not int or schema_version != STAGING_SCHEMA_VERSION:
-        raise ValueError(f"unsupported staging schema version {schema_version!r}")
+        raise ValueError(f"schema_version: unsupported staging schema version {schema_version!r}")
     if type(digest_version) is not int or digest_version != STAGING_DIGEST_VERSION:
-        raise ValueError(f"unsupported staging digest version {digest_version!r}")
+        raise ValueError(f"digest_version: unsupported staging digest version {digest_version!r}")
     if type(extras_digest_version) is not int or extras_digest_version != EXTRAS_DIGEST_VERSION:
-        raise ValueError(f"unsupported extras digest version {extras_digest_version!r}")
+        raise ValueError(
+            f"extras_digest_version: unsupported extras digest version {extras_digest_version!r}"
+        )
     if not rollout_id or not model_call_id:
         raise ValueError("rollout_id and model_call_id must be non-empty")
     if parent_call_id == "":
         raise ValueError("parent_call_id must be non-empty when present")
     if mode not in CAPTURE_MODES:
-        raise ValueError(f"unsupported capture mode {mode!r}")
+        raise ValueError(f"mode: unsupported capture mode {mode!r}")
     if parent_call_id is None and (mode != "text" or prev_len != 0):
-        raise ValueError("a parentless call must be a text-mode root with prev_len == 0")
+        raise ValueError(
+            "a parentless call must be a text-mode root with prev_len == 0 "
+            f"(parent_call_id None, mode {mode!r}, prev_len {prev_len!r})"
+        )
     if parent_call_id is not None and (mode != "token_in" or not prev_len):
-        raise ValueError("a child call must use token_in mode with prev_len > 0")
+        raise ValueError(
+            "a child call must use token_in mode with prev_len > 0 "
+            f"(parent_call_id set, mode {mode!r}, prev_len {prev_len!r})"
+        )
 
 
 def staging_digest_and_columns(
@@ -372,11 +392,16 @@ def staging_digest_and_columns(
         generation_log_probs_delta, "generation_log_probs_delta", check_types=check_types
     )
     if type(delta_len) is not int or delta_len < 1:
-        raise ValueError("a staged call delta must contain at least one token")
+        raise ValueError(
+            f"a staged call delta must contain at least one token (delta_len {delta_len!r})"
+        )
     if delta_len != count:
         raise ValueError(f"delta_len {delta_len} does not match {count} token IDs")
     if not count == len(mask) == len(logprobs):
-        raise ValueError("token IDs, masks, and log probabilities must have equal lengths")
+        raise ValueError(
+            "token IDs, masks, and log probabilities must have equal lengths (token_ids_delta "
+            f"{count}, token_mask_delta {len(mask)}, generation_log_probs_delta {len(logprobs)})"
+        )
     _check_mask_and_carry(mask, logprobs)
     if type(prev_len) is int and type(cum_len) is int and cum_len != prev_len + delta_len:
         raise ValueError(
@@ -391,10 +416,10 @@ def staging_digest_and_columns(
     payload = b"".join(
         (
             bytes((schema_version, digest_version, extras_digest_version)),
-            _text(rollout_id),
-            _text(model_call_id),
-            _opt_text(parent_call_id),
-            _text(mode),
+            _text(rollout_id, "rollout_id"),
+            _text(model_call_id, "model_call_id"),
+            _opt_text(parent_call_id, "parent_call_id"),
+            _text(mode, "mode"),
             _u64(prev_len, "prev_len"),
             _u64(delta_len, "delta_len"),
             _u64(cum_len, "cum_len"),

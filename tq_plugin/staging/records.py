@@ -197,7 +197,11 @@ class StagedCallRecord(StagedCallBaseSnapshot):
 
     @model_validator(mode="after")
     def _check_extras(self) -> StagedCallRecord:
-        if compute_extras_digest(self.extras) != self.extras_digest:
+        try:
+            digest = compute_extras_digest(self.extras)
+        except TypeError as exc:  # a ValidationError, naming the field, like every other rule
+            raise ValueError(f"extras: {exc}") from None
+        if digest != self.extras_digest:
             raise ValueError("extras_digest does not match extras")
         return self
 

@@ -103,10 +103,13 @@ def extras_metadata_json(extras: Mapping[str, Any] | None) -> bytes:
     if extras is None:
         return b"null"
     metadata = {k: v for k, v in extras.items() if k != ROUTED_EXPERTS_FIELD}
-    text = json.dumps(
-        metadata, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    )
-    return text.encode("utf-8")
+    try:
+        text = json.dumps(
+            metadata, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+        )
+        return text.encode("utf-8")
+    except (TypeError, ValueError) as exc:  # UnicodeEncodeError is a ValueError
+        raise type(exc)(f"extras cannot be staged as canonical JSON: {exc}") from None
 
 
 def _route_columns(routes: Any, delta_len: int) -> tuple[int, dict[str, torch.Tensor]]:
@@ -230,6 +233,8 @@ class TQTokenSink:
         mask = _float32_wire(mask_raw)
         logprobs = _float32_wire(logprob_raw)
         extras = record.extras if hasattr(record, "extras") else None
+        if extras is not None and not isinstance(extras, Mapping):
+            raise TypeError(f"extras must be a mapping or None, got {type(extras).__name__}")
         routes = None if extras is None else extras.get(ROUTED_EXPERTS_FIELD)
         encoding, route_columns = _route_columns(routes, ids.shape[1])
         if routes is None and compute_extras_digest(extras) != record.extras_digest:
