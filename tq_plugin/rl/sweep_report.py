@@ -17,6 +17,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from tq_plugin.config.sweeps import setting_key
+
 log = logging.getLogger(__name__)
 RESULT_FILE = "result.json"
 COLUMNS = ["job", "overrides", "status", "tokens_per_s", "padded_fraction", "peak_rss_mb",
@@ -43,6 +45,9 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
     for job, overrides in jobs:
         swept = [o for o in overrides if o not in common]
         row: dict[str, Any] = {"job": job.name, "overrides": " ".join(swept)}
+        config_file = job / ".hydra" / "config.yaml"
+        if config_file.exists():
+            row["packing_mode"] = OmegaConf.select(OmegaConf.load(config_file), "tq.packing.name")
         result_file = job / RESULT_FILE
         if result_file.exists():
             result = json.loads(result_file.read_text())
@@ -55,26 +60,21 @@ def collect(sweep_dir: Path) -> list[dict[str, Any]]:
 
 
 AGGREGATED = ["reward_last_avg", "tokens_per_s", "padded_fraction", "peak_rss_mb"]
-SEED_KEY = "recipe.seed"
-# Keys a packing mode ignores: jobs that differ only in them are the same setting.
-IGNORED_BY_MODE = {"none": ("tq.packing.train_mb_tokens", "tq.packing.logprob_mb_tokens",
-                            "tq.packing.algorithm", "tq.packing.microbatch_order")}
 
 
-def setting_of(overrides: str) -> str:
-    """A job's setting: its swept overrides without the seed and without keys its packing mode
-    ignores (``tq/packing=none`` at two token budgets is one setting)."""
-    parts = [o for o in overrides.split() if not o.startswith(f"{SEED_KEY}=")]
-    mode = next((o.split("=", 1)[1] for o in parts if o.startswith("tq/packing=")), None)
-    ignored = IGNORED_BY_MODE.get(mode, ())
-    return " ".join(o for o in parts if o.split("=", 1)[0] not in ignored)
+def setting_of(overrides: str, packing_mode: str | None = None) -> str:
+    """A job's setting: its swept overrides without the seed and without the keys its packing
+    mode ignores (``tq/packing=none`` at two token budgets is one setting), in their order."""
+    parts = overrides.split()
+    kept = set(setting_key(parts, packing_mode))
+    return " ".join(o for o in parts if o in kept)
 
 
 def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per setting: how many jobs (seeds) succeeded, and mean and std of each figure."""
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
-        groups.setdefault(setting_of(r.get("overrides", "")), []).append(r)
+        groups.setdefault(setting_of(r.get("overrides", ""), r.get("packing_mode")), []).append(r)
     out = []
     for setting, members in groups.items():
         ok = [r for r in members if r.get("status") == "ok"]
