@@ -57,27 +57,7 @@ _GROUPS = [
     },
     {"extras", "extras_digest", "routed_experts"},
 ]
-RECORD_FIELDS = [
-    "schema_version",
-    "digest_version",
-    "extras_digest_version",
-    "rollout_id",
-    "model_call_id",
-    "parent_call_id",
-    "mode",
-    "prev_len",
-    "delta_len",
-    "cum_len",
-    "weight_version",
-    "digest",
-    "token_ids_delta",
-    "token_mask_delta",
-    "generation_log_probs_delta",
-    "extras_digest",
-    "chain_hash",
-    "cumulative_hash",
-    "extras",
-]
+RECORD_FIELDS = list(StagedCallRecord.model_fields)
 
 scalars = st.one_of(
     st.none(),

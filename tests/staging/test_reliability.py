@@ -8,18 +8,22 @@ offending field, and a client written to the TensorDict ``put_samples`` contract
 from __future__ import annotations
 
 import pytest
-import torch
 from tensordict import TensorDictBase
 
-from tq_plugin.data_plane import ROUTED_EXPERTS_FIELD, LocalDataPlane
+from tq_plugin.data_plane import ROUTED_EXPERTS_FIELD, CapacityError, LocalDataPlane
 from tq_plugin.staging import (
     STAGING_FIELDS,
     STATUS_TAG,
+    CaptureAdmission,
+    ChainPrefixCache,
     RolloutReassembler,
     StagedCallBaseSnapshot,
     TQTokenSink,
     TQTokenSource,
     make_rollout_receipt,
+    make_staged_call_record,
+    register_staging_partition,
+    resolve_admission_prefix,
     staging_key,
 )
 from tq_plugin.staging.reassembler import REASSEMBLED_FIELDS
@@ -199,8 +203,6 @@ class _ContractClient:
 
 def test_a_client_written_to_the_tensordict_contract_works_under_the_sink(chain) -> None:
     inner = LocalDataPlane()
-    from tq_plugin.staging import register_staging_partition
-
     register_staging_partition(inner, TEXT_PARTITION)
     client = _ContractClient(inner)
     sink = TQTokenSink(client, staging_partition=TEXT_PARTITION)
@@ -213,22 +215,6 @@ def test_a_client_written_to_the_tensordict_contract_works_under_the_sink(chain)
     assert source.fetch(["r/c0"])[0].digest == record.digest
 
 
-def _names_only_store_accepts_jagged() -> bool:
-    store = LocalDataPlane()
-    store.register_partition(partition_id="probe", fields=["x"])
-    try:
-        store.put_samples(sample_ids=["a"], partition_id="probe", fields={"x": torch.zeros(1, 1)})
-        store.put_samples(sample_ids=["b"], partition_id="probe", fields={"x": torch.zeros(1, 2)})
-    except (TypeError, ValueError):
-        return False
-    return True
-
-
-@pytest.mark.xfail(
-    not _names_only_store_accepts_jagged(),
-    strict=True,
-    reason="needs the store change: a field registered by name alone turns jagged losslessly",
-)
 def test_a_partition_registered_by_field_names_alone_stages_and_finalizes(chain) -> None:
     store = LocalDataPlane()
     store.register_partition(
@@ -254,7 +240,45 @@ def test_a_partition_registered_by_field_names_alone_stages_and_finalizes(chain)
         r.digest for r in staged
     ]
     assert source.fetch_prefix_token_ids(["r-2/c0"]) == [1, 2, 3, 3, 3]
+    # The worker's capture path: a child admitted by staging_chain resolves its prefix from
+    # the partition, and its record stages there too.
+    parent = staged[-1]
+    admission = CaptureAdmission(
+        rollout_id="r-2",
+        model_call_id="c2",
+        parent_call_id=parent.model_call_id,
+        prev_len=parent.cum_len,
+        mode="token_in",
+        staging_chain=["r-2/c0", "r-2/c1"],
+        parent_chain_hash=parent.chain_hash,
+    )
+    prefix = resolve_admission_prefix(admission, ChainPrefixCache(source))
+    child = make_staged_call_record(
+        admission,
+        prompt_ids=[*prefix, 7],
+        generated_ids=[8, 9, 10],
+        generated_logprobs=[-0.5] * 3,
+        weight_version=1,
+        prefix_token_ids=prefix,
+    )
+    assert sink.stage(child).ok
+    receipts[2] = make_rollout_receipt([*staged[-2:], child], reward=1.0)
     meta = RolloutReassembler(store, staging_partition=TEXT_PARTITION).finalize_group(
         receipts, partition_id=TRAIN
     )
     assert [t[STATUS_TAG] for t in meta.tags] == ["ok"] * 3
+
+
+def test_a_full_store_is_a_failed_stage_and_the_acknowledged_rows_stand(chain) -> None:
+    store = LocalDataPlane()
+    register_staging_partition(store, TEXT_PARTITION, num_samples=1)
+    sink = TQTokenSink(store, staging_partition=TEXT_PARTITION)
+    first, second = _one(chain, "a"), _one(chain, "b")
+    assert sink.stage(first).ok
+    with pytest.raises(CapacityError):  # what the sink meets
+        store.put_samples(sample_ids=["x"], partition_id=TEXT_PARTITION, fields=None)
+    result = sink.stage(second)
+    assert not result.ok and "CapacityError" in result.error
+    assert store.list_sample_ids(partition_id=TEXT_PARTITION) == ["a/c0"]
+    source = TQTokenSource(store, staging_partition=TEXT_PARTITION)
+    assert source.fetch(["a/c0"])[0].digest == first.digest
