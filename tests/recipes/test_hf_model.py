@@ -134,7 +134,7 @@ def test_pretrained_path_loads_policy_and_value_backbone(pretrained):
 
 
 def test_bad_model_settings_are_refused_naming_the_key(pretrained, tmp_path):
-    path, _ = pretrained
+    path, lm = pretrained
     with pytest.raises(ValueError, match=r"checkpoint's vocab_size \(24\) is smaller than the "
                                          r"task's \(30\)"):
         HFCausalLM(30, pretrained_path=str(path), max_seq_len=48)
@@ -142,6 +142,11 @@ def test_bad_model_settings_are_refused_naming_the_key(pretrained, tmp_path):
         HFCausalLM(V, pretrained_path=str(path), max_seq_len=64)
     with pytest.raises(FileNotFoundError, match="model.pretrained_path: .* holds no config.json"):
         HFCausalLM(V, pretrained_path=str(tmp_path / "missing"))
+    # Pickled weights are never loaded: a directory with only pytorch_model.bin is refused.
+    torch.save(dict(lm.state_dict()), path / "pytorch_model.bin")
+    (path / "model.safetensors").unlink()
+    with pytest.raises(OSError, match="model.safetensors"):
+        HFCausalLM(V, pretrained_path=str(path), max_seq_len=48)
     with pytest.raises(ValueError, match="model.attn_implementation: must be one of"):
         HFCausalLM(V, attn_implementation="flash_attention_2")
     with pytest.raises(ValueError, match="model.model_type: transformers has no model type"):

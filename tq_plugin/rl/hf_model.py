@@ -98,16 +98,17 @@ class HFCausalLM(nn.Module):
             if not (path / "config.json").is_file():
                 raise FileNotFoundError(f"model.pretrained_path: {path} holds no config.json "
                                         f"(a local save_pretrained directory is needed)")
-            self.backbone = auto.from_pretrained(
-                str(path), local_files_only=True, use_safetensors=True, dtype=torch.float32,
-                attn_implementation=attn_implementation)
-            cfg = self.backbone.config
+            # The sizes are checked on the config alone, before any weight is read.
+            cfg = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
             if cfg.vocab_size < vocab_size:
                 raise ValueError(f"model.pretrained_path: the checkpoint's vocab_size "
                                  f"({cfg.vocab_size}) is smaller than the task's ({vocab_size})")
             if cfg.max_position_embeddings < max_seq_len:
                 raise ValueError(f"model.max_seq_len={max_seq_len} exceeds the checkpoint's "
                                  f"max_position_embeddings ({cfg.max_position_embeddings})")
+            self.backbone = auto.from_pretrained(
+                str(path), local_files_only=True, use_safetensors=True, dtype=torch.float32,
+                attn_implementation=attn_implementation)
         else:
             cfg = _config(model_type, vocab_size=vocab_size, d_model=d_model, n_layers=n_layers,
                           n_heads=n_heads, max_seq_len=max_seq_len, dropout=dropout)
