@@ -346,3 +346,74 @@ def test_a_dtype_torch_cannot_copy_is_refused_before_anything_is_written():
     with pytest.raises(TypeError, match="'x' has dtype torch.uint4"):
         dp.put_samples(["a", "b"], "d", {"ok": torch.zeros(2), "x": odd})
     assert dp.list_sample_ids("d") == []
+
+
+# ---------------------------------------------------------------- one-row write buffer
+def _row(i: int) -> dict:
+    return {"tok": torch.tensor([[i, i + 1, i + 2]]), "n": torch.tensor([i]), "f": torch.tensor([[0.5 * i]])}
+
+
+@pytest.fixture
+def staged() -> LocalDataPlane:
+    d = LocalDataPlane()
+    d.register_partition("b", [], consumer_tasks=["t"])
+    for i in range(5):  # the first row validates the layout; the rest are buffered
+        d.put_samples([f"r{i}"], "b", _row(i), tags=[{"i": i}])
+    return d
+
+
+def test_buffered_one_row_puts_are_readable_claimable_and_counted_at_once(staged):
+    assert staged._partitions["b"].buffered  # the fast path was taken
+    got = staged.get_samples(["r4", "r0"], "b", ["tok", "n", "f"])
+    assert got["tok"].tolist() == [[4, 5, 6], [0, 1, 2]] and got["n"].tolist() == [4, 0]
+    staged.put_samples(["r5"], "b", _row(5))
+    meta = staged.claim_meta("b", "t", ["tok"], batch_size=10, blocking=False)
+    assert meta.sample_ids == [f"r{i}" for i in range(6)]
+    assert staged.stats()["rows"] == 6 and staged.get_tags(["r3"], "b") == [{"i": 3}]
+
+
+def test_a_buffered_row_is_a_copy_of_the_callers_tensors(staged):
+    row = _row(7)
+    staged.put_samples(["r7"], "b", row)
+    row["tok"].fill_(-1)
+    row["n"].fill_(-1)
+    assert staged.get_samples(["r7"], "b", ["tok", "n"])["tok"].tolist() == [[7, 8, 9]]
+
+
+def test_an_overwrite_after_buffered_puts_lands_last(staged):
+    staged.put_samples(["r9"], "b", _row(9))
+    staged.put_samples(["r9"], "b", _row(1))  # an existing id: the full path, after a flush
+    assert staged.get_samples(["r9"], "b", ["n"])["n"].tolist() == [1]
+
+
+def test_bad_input_on_a_known_layout_is_still_refused_whole(staged):
+    sparse = {**_row(8), "f": torch.tensor([[0.5]]).to_sparse()}
+    with pytest.raises(TypeError, match="'f' has layout"):
+        staged.put_samples(["r8"], "b", sparse)
+    wide = {**_row(8), "n": torch.tensor([8], dtype=torch.int32)}
+    with pytest.raises(TypeError, match="'n' dtype mismatch"):
+        staged.put_samples(["r8"], "b", wide)
+    assert "r8" not in staged.list_sample_ids("b")
+
+
+def test_buffered_puts_respect_num_samples_and_capacity():
+    d = LocalDataPlane(capacity_bytes=10**6)
+    d.register_partition("b", [], num_samples=3)
+    for i in range(3):
+        d.put_samples([f"r{i}"], "b", _row(i))
+    with pytest.raises(CapacityError, match="num_samples=3"):
+        d.put_samples(["r3"], "b", _row(3))
+    assert d.list_sample_ids("b") == ["r0", "r1", "r2"]
+
+
+def test_a_flush_that_runs_out_of_memory_keeps_the_acknowledged_rows(staged, monkeypatch):
+    for i in range(5, 40):
+        staged.put_samples([f"r{i}"], "b", _row(i))
+    real = _columns._grown
+    monkeypatch.setattr(_columns, "_grown", lambda buf, need: (_ for _ in ()).throw(MemoryError("injected")))
+    with pytest.raises(MemoryError):
+        staged.get_samples(["r0"], "b", ["n"])
+    monkeypatch.setattr(_columns, "_grown", real)
+    got = staged.get_samples([f"r{i}" for i in range(40)], "b", ["n", "tok"])
+    assert got["n"].tolist() == list(range(40))
+    assert [r.tolist() for r in got["tok"]][39] == [39, 40, 41]

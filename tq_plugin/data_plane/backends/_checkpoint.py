@@ -253,6 +253,7 @@ def save_store(
         )
     with store._lock:
         store._require_open()
+        store._flush_all()  # buffered one-row puts are acknowledged rows too
         snaps = [_snapshot_partition(p) for _, p in sorted(store._partitions.items())]
     for snap in snaps:
         _validate_tags(snap)

@@ -129,10 +129,11 @@ def field_items(fields: FieldsLike | None, n: int) -> list[tuple[str, torch.Tens
         raise TypeError(
             f"put_samples: fields must be a TensorDict or a mapping of tensors, got {type(fields).__name__}"
         )
+    tensor = torch.Tensor
     for name, value in pairs:
-        if not isinstance(name, str):
+        if type(name) is not str and not isinstance(name, str):
             raise TypeError(f"put_samples: field names must be strings, got {name!r}")
-        if not isinstance(value, torch.Tensor):
+        if type(value) is not tensor and not isinstance(value, tensor):
             kind = type(value).__name__
             raise TypeError(
                 f"put_samples: field {name!r} is a non-tensor leaf ({kind}); only tensors "
@@ -142,9 +143,9 @@ def field_items(fields: FieldsLike | None, n: int) -> list[tuple[str, torch.Tens
 
 
 def lengths_from(items: list[tuple[str, torch.Tensor]]) -> list[int] | None:
-    for name, value in items:
-        if name == INPUT_LENGTHS and not value.is_nested and value.dim() == 1:
-            return [int(x) for x in value.tolist()]
+    value = next((v for name, v in items if name == INPUT_LENGTHS), None)
+    if value is not None and not value.is_nested and value.dim() == 1:
+        return [int(x) for x in value.tolist()]
     return None
 
 

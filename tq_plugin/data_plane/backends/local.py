@@ -10,11 +10,12 @@ puts and reads never see a half-written row.
 from __future__ import annotations
 
 import copy
+import ctypes
 import threading
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -42,6 +43,7 @@ from tq_plugin.data_plane.client import (
 from tq_plugin.data_plane.meta import KVBatchMeta
 from tq_plugin.data_plane.schema import INPUT_LENGTHS, TOKEN_ALIGNED_FIELDS
 
+_string_at = ctypes.string_at
 PUT_MODES = ("upsert", "insert", "update")
 # The default capacity: this share of the memory available when the store is created. Buffers
 # keep geometric headroom (up to 2x live), so this keeps a full store under what is available.
@@ -82,10 +84,41 @@ class _Partition:
     # task -> live ids it has not claimed, in first-put order (dicts keep insertion order), so
     # a claim looks at the rows it hands out, not at every row of the partition.
     pending: dict[str, dict[str, None]] = field(default_factory=dict)
+    # One-row puts of a known row layout wait here, packed, until a read (or a full buffer)
+    # writes them into the columns in one batch: (slot, plan, packed bytes of the row).
+    buffered: list[tuple[int, _RowPlan, bytes]] = field(default_factory=list)
+    plans: dict[tuple, _RowPlan] = field(default_factory=dict)
+    epoch: int = 0  # bumped whenever a column or the schema changes; plans of older epochs lapse
 
     @property
     def live_bytes(self) -> int:
         return sum(c.live_bytes for c in self.columns.values())
+
+
+class _RowPlan(NamedTuple):
+    """A validated one-row layout: which fields, how each is stored, where its bytes sit in the
+    packed row. Built by the full validation of the first such row; reused while ``epoch`` holds."""
+
+    epoch: int
+    fields: tuple[tuple[str, ColumnSpec, tuple[int, ...], int, int], ...]  # name, spec, shape, start, stop
+    nbytes: int
+    order: tuple[int, ...]  # the put's fields in packing order (widest elements first: aligned)
+
+    def unpack(self, rows: list[bytes]) -> list[Prepared]:
+        """Packed rows back to one ``Prepared`` block per field (numpy slices: single-threaded
+        small copies, no torch dispatch per row)."""
+        k = len(rows)
+        flat = np.frombuffer(bytearray(b"".join(rows)), dtype=np.uint8).reshape(k, self.nbytes)
+        out = []
+        for name, spec, shape, start, stop in self.fields:
+            raw = torch.from_numpy(np.ascontiguousarray(flat[:, start:stop]).reshape(-1))
+            block = raw.view(spec.dtype).reshape(k, *shape)
+            if spec.jagged:
+                out.append(Prepared(name, spec, block.reshape(-1, *spec.shape),
+                                    np.full(k, shape[0], dtype=np.int64), False))
+            else:
+                out.append(Prepared(name, spec, block, None, False))
+        return out
 
 
 class LocalDataPlane(TaskCursors):
@@ -122,14 +155,22 @@ class LocalDataPlane(TaskCursors):
         if self._closed:
             raise DataPlaneClosedError("LocalDataPlane is closed; create a new client")
 
-    def _partition(self, partition_id: str) -> _Partition:
+    def _partition(self, partition_id: str, *, flush: bool = True) -> _Partition:
+        """The partition (with its buffered one-row puts written, unless ``flush=False``)."""
         part = self._partitions.get(partition_id)
         if part is None:
             raise KeyError(
                 f"unknown partition {partition_id!r}; call register_partition first "
                 f"(registered: {sorted(self._partitions)})"
             )
+        if flush and part.buffered:
+            self._flush(part)
         return part
+
+    def _flush_all(self) -> None:
+        for part in self._partitions.values():
+            if part.buffered:
+                self._flush(part)
 
     def close(self) -> None:
         """Release every partition. Idempotent; any later operation raises."""
@@ -180,6 +221,9 @@ class LocalDataPlane(TaskCursors):
         with self._lock:
             self._require_open()
             part = self._partitions.get(partition_id)
+            if part is not None:
+                self._flush(part)
+                part.epoch += 1  # the schema may change: buffered-row plans lapse
             declared = set(part.declared) if part is not None else set()
             if names:
                 # Closing an open schema keeps the fields it already holds writable.
@@ -253,10 +297,20 @@ class LocalDataPlane(TaskCursors):
         items = field_items(fields, n)
         with self._lock:
             self._require_open()
-            part = self._partition(partition_id)
-            prepared = [prepare(part, name, value, n) for name, value in items]
-            if n:
-                self._apply(part, ids, prepared, tag_rows, mode)
+            part = self._partition(partition_id, flush=False)
+            buffered = (
+                n == 1
+                and mode != "update"
+                and items
+                and ids[0] not in part.slot_of
+                and self._buffer_one(part, ids[0], items, tag_rows)
+            )
+            if not buffered:
+                if part.buffered:
+                    self._flush(part)
+                prepared = [prepare(part, name, value, n) for name, value in items]
+                if n:
+                    self._apply(part, ids, prepared, tag_rows, mode)
         return KVBatchMeta(
             partition_id=partition_id,
             task_name=None,
@@ -312,16 +366,7 @@ class LocalDataPlane(TaskCursors):
             slots = np.array(found, dtype=np.int64)
         need = int(slots.max()) + 1
         # Reserve: every allocation of the put happens here, and none changes visible rows.
-        grew = False
-        targets: list[DenseColumn | JaggedColumn] = []
-        for p in prepared:
-            col = part.columns.get(p.name)
-            if p.promote:
-                col = col.to_jagged()  # type: ignore[union-attr]
-            elif col is None or col.spec != p.spec:  # no live rows (checked in prepare)
-                col = self._new_column(p.spec)
-            grew = col.reserve(need, p.block.shape[0] if p.spec.jagged else 0) or grew
-            targets.append(col)
+        targets, grew = self._reserve(part, prepared, need)
         arrival = part.arrival
         if new and need > arrival.shape[0]:
             arrival = np.zeros(max(need, 2 * arrival.shape[0]), dtype=np.int64)
@@ -330,26 +375,151 @@ class LocalDataPlane(TaskCursors):
         if new:
             del part.free_slots[len(part.free_slots) - reuse :]
             part.next_slot += len(new) - reuse
-            part.slot_of.update(zip(new, new_slots))
-            part.arrival = arrival
-            arrival[new_slots] = np.arange(self._arrivals, self._arrivals + len(new))
-            self._arrivals += len(new)
-            for pending in part.pending.values():
-                pending.update(dict.fromkeys(new))
-        delta = 0
-        for p, col in zip(prepared, targets):
-            part.columns[p.name] = col
-            if p.spec.jagged:
-                delta += col.write(slots, p.block, p.lengths)  # type: ignore[call-arg, arg-type]
-            else:
-                delta += col.write(slots, p.block)  # type: ignore[call-arg]
-        self._live_bytes += delta
+            self._admit(part, new, new_slots, arrival)
+        self._live_bytes += self._write(part, prepared, targets, slots)
         if tag_rows is not None:
             for sid, t in zip(ids, tag_rows):
                 part.tags.setdefault(sid, {}).update(t)
         if grew:  # reserved bytes only rise when a buffer is reallocated
             self._peak_bytes = max(self._peak_bytes, self._reserved_bytes())
         self._produced.notify_all()
+
+    def _reserve(
+        self, part: _Partition, prepared: list[Prepared], need: int
+    ) -> tuple[list[Any], bool]:
+        """Every column the write needs, with room for it (may allocate; changes no row)."""
+        grew = False
+        targets: list[Any] = []
+        for p in prepared:
+            col = part.columns.get(p.name)
+            if p.promote:
+                col = col.to_jagged()  # type: ignore[union-attr]
+            elif col is None or col.spec != p.spec:  # no live rows (checked in prepare)
+                col = self._new_column(p.spec)
+            grew = col.reserve(need, p.block.shape[0] if p.spec.jagged else 0) or grew
+            targets.append(col)
+        return targets, grew
+
+    def _admit(self, part: _Partition, new: list[str], slots: list[int], arrival: np.ndarray) -> None:
+        """Make ``new`` ids rows of the partition at ``slots`` (first-put order, claim queues)."""
+        part.slot_of.update(zip(new, slots))
+        part.arrival = arrival
+        arrival[slots] = np.arange(self._arrivals, self._arrivals + len(new))
+        self._arrivals += len(new)
+        for pending in part.pending.values():
+            pending.update(dict.fromkeys(new))
+
+    @staticmethod
+    def _write(part: _Partition, prepared: list[Prepared], targets: list[Any], slots: np.ndarray) -> int:
+        """Write reserved columns (allocates nothing); returns the change in live bytes."""
+        delta = 0
+        for p, col in zip(prepared, targets):
+            if part.columns.get(p.name) is not col:
+                part.columns[p.name] = col
+                part.epoch += 1
+            if p.spec.jagged:
+                delta += col.write(slots, p.block, p.lengths)
+            else:
+                delta += col.write(slots, p.block)
+        return delta
+
+    # ------------------------------------------------------------------ one-row write buffer
+    _FLUSH_ROWS = 64
+
+    def _buffer_one(
+        self, part: _Partition, sid: str, items: list[tuple[str, torch.Tensor]],
+        tag_rows: list[dict[str, Any]] | None,
+    ) -> bool:
+        """Acknowledge a one-row put of a new id by packing it into the partition's buffer.
+
+        Only for a row layout validated before (a ``_RowPlan``), into live columns of the same
+        kind; anything else (first row of a layout, a field that must turn jagged, a per-token
+        column, non-CPU or grad tensors) returns False and takes the full path. The row is
+        copied here, so the caller may reuse its tensors; reads write buffered rows first.
+        """
+        try:
+            key = tuple((name, v.dtype, v.shape, v.layout, v.is_cpu, v.requires_grad,
+                         v.is_contiguous()) for name, v in items if type(v) is torch.Tensor)
+        except (AttributeError, RuntimeError, NotImplementedError):
+            return False
+        if len(key) != len(items):
+            return False
+        plan = part.plans.get(key)
+        if plan is None or plan.epoch != part.epoch:
+            plan = self._plan(part, items)
+            if plan is None:
+                return False
+            if len(part.plans) > 64:
+                part.plans.clear()
+            part.plans[key] = plan
+        if part.num_samples is not None and len(part.slot_of) + 1 > part.num_samples:
+            raise CapacityError(
+                f"put_samples: partition {part.partition_id!r} holds {len(part.slot_of)} rows; "
+                f"1 more would pass its num_samples={part.num_samples}"
+            )
+        if self._live_bytes + plan.nbytes > self.capacity_bytes:
+            raise CapacityError(
+                f"put_samples: {plan.nbytes} bytes for partition {part.partition_id!r} would take "
+                f"the store past capacity_bytes={self.capacity_bytes} ({self._live_bytes} held); "
+                "clear consumed rows or raise capacity_bytes"
+            )
+        # The one copy of the row: its bytes, field after field (contiguous CPU tensors only).
+        tensors = [items[i][1] for i in plan.order]
+        packed = b"".join([_string_at(t.data_ptr(), t.nbytes) for t in tensors])
+        slot = part.free_slots.pop() if part.free_slots else part.next_slot
+        if slot == part.next_slot:
+            part.next_slot += 1
+        arrival = part.arrival
+        if slot >= arrival.shape[0]:
+            arrival = np.zeros(max(slot + 1, 2 * arrival.shape[0]), dtype=np.int64)
+            arrival[: part.arrival.shape[0]] = part.arrival
+        self._admit(part, [sid], [slot], arrival)
+        if tag_rows is not None:
+            part.tags.setdefault(sid, {}).update(tag_rows[0])
+        part.buffered.append((slot, plan, packed))
+        self._live_bytes += plan.nbytes
+        if len(part.buffered) >= self._FLUSH_ROWS:
+            self._flush(part)
+        self._produced.notify_all()
+        return True
+
+    def _plan(self, part: _Partition, items: list[tuple[str, torch.Tensor]]) -> _RowPlan | None:
+        """Validate a one-row layout in full; a plan when its rows can be buffered, else None."""
+        prepared = [prepare(part, name, value, 1) for name, value in items]  # raises on bad input
+        for (name, value), p in zip(items, prepared):
+            col = part.columns.get(name)
+            if (p.promote or col is None or not col.live_rows or col.spec != p.spec
+                    or not value.is_cpu or value.requires_grad or not value.is_contiguous()
+                    or (p.spec.jagged and name in TOKEN_ALIGNED_FIELDS)):
+                return None
+        # Widest elements first, so every field starts aligned for its dtype in the packed row.
+        order = sorted(range(len(items)), key=lambda i: -items[i][1].element_size())
+        fields = []
+        start = 0
+        for i in order:
+            name, value = items[i]
+            stop = start + value.numel() * value.element_size()
+            fields.append((name, prepared[i].spec, tuple(value.shape[1:]), start, stop))
+            start = stop
+        return _RowPlan(part.epoch, tuple(fields), start, tuple(order))
+
+    def _flush(self, part: _Partition) -> None:
+        """Write the partition's buffered rows into its columns, a run of one plan at a time.
+
+        An allocation failure leaves the rows buffered (acknowledged, never dropped) and raises.
+        """
+        rows = part.buffered
+        while rows:
+            plan = rows[0][1]
+            k = next((i for i, r in enumerate(rows) if r[1] is not plan), len(rows))
+            run = rows[:k]
+            slots = np.fromiter((r[0] for r in run), dtype=np.int64, count=k)
+            prepared = plan.unpack([r[2] for r in run])
+            targets, grew = self._reserve(part, prepared, int(slots.max()) + 1)
+            self._live_bytes += self._write(part, prepared, targets, slots) - k * plan.nbytes
+            del rows[:k]
+            if grew:
+                self._peak_bytes = max(self._peak_bytes, self._reserved_bytes())
 
     @staticmethod
     def _check_token_alignment(
@@ -502,11 +672,13 @@ class LocalDataPlane(TaskCursors):
                         stacklevel=2,
                     )
                 if part is not None:
-                    self._live_bytes -= part.live_bytes
+                    self._live_bytes -= part.live_bytes + sum(r[1].nbytes for r in part.buffered)
                     del self._partitions[partition_id]
                 return
             if part is None:
                 return
+            if part.buffered:
+                self._flush(part)
             pop = part.slot_of.pop
             slots = [slot for slot in (pop(s, None) for s in ids) if slot is not None]
             if not slots:
@@ -520,6 +692,7 @@ class LocalDataPlane(TaskCursors):
                 pending = part.pending[task]
                 for s in ids:
                     pending.pop(s, None)
+            part.epoch += 1  # columns may empty out (and then change kind): plans lapse
             if not part.slot_of:  # the partition is empty: start its slots afresh
                 self._live_bytes -= part.live_bytes
                 for col in part.columns.values():
@@ -540,6 +713,7 @@ class LocalDataPlane(TaskCursors):
     def compactions(self) -> int:
         """How many times jagged buffers of live partitions were compacted (for tests/benchmarks)."""
         with self._lock:
+            self._flush_all()
             return sum(
                 getattr(c, "compactions", 0) for p in self._partitions.values() for c in p.columns.values()
             )
@@ -547,6 +721,7 @@ class LocalDataPlane(TaskCursors):
     def stats(self) -> dict[str, int]:
         """Rows held, bytes of live data, bytes reserved by buffers, the peak reserved, capacity."""
         with self._lock:
+            self._flush_all()
             cols = [c for p in self._partitions.values() for c in p.columns.values()]
             return {
                 "partitions": len(self._partitions),
