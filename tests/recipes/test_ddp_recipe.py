@@ -22,7 +22,7 @@ from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 
 from tq_plugin import cli
-from tq_plugin.data_plane import LocalDataPlane, RayDataPlane, first_write
+from tq_plugin.data_plane import LocalDataPlane, first_write
 from tq_plugin.rl import ranks
 from tq_plugin.rl.recipe import RLRecipe
 
@@ -82,13 +82,12 @@ def test_trainer_keys_are_config_keys():
     [
         # 4 prompts x 4 samples = 16 rows do not split over 3 ranks.
         (["trainer=ddp_cpu", "trainer.devices=3"], "must divide evenly over 3 DDP ranks"),
-        (["trainer=ddp_cpu", "tq/backend=ray"], "RayDataPlane cannot be used by 2 DDP ranks"),
+        # Without an address each rank would start its own Ray: no store all ranks share.
+        (["trainer=ddp_cpu", "tq/backend=ray"], "tq.backend.ray_init.address="),
     ],
-    ids=["uneven-global-batch", "ray-not-rank-shared"],
+    ids=["uneven-global-batch", "ray-without-a-cluster-address"],
 )
 def test_a_run_the_recipe_cannot_honour_fails_at_start(tmp_path, overrides, message):
-    if "tq/backend=ray" in overrides and ranks.shared_across_ranks(RayDataPlane):
-        pytest.skip("RayDataPlane is shared across ranks now: the 2-rank run covers it")
     recipe = RLRecipe(compose_ppo(*overrides), tmp_path / "out")
     with pytest.raises(ValueError, match=message):
         recipe.setup()
@@ -150,17 +149,39 @@ def test_two_ranks_train_the_one_process_update(tmp_path, one_process, strategy,
         subprocess_cmd(tmp_path, "trainer=ddp_cpu", f"trainer.strategy={strategy}",
                        f"recipe.num_steps={steps}"),
         cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=280, check=False)
+    assert_one_process_update(proc, tmp_path, one_process[:steps])
+
+
+def assert_one_process_update(proc: subprocess.CompletedProcess, out: Path,
+                              one_process: list[dict]) -> None:
+    """Both ranks ran every step; rank 0's artifacts hold the one-process figures."""
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = len(one_process)
     for rank in (0, 1):
         assert f"rank {rank}/2: {steps} RL steps, {steps} optimizer steps" in proc.stdout
-    got = rows(tmp_path)
+    got = rows(out)
     assert [int(r["step"]) for r in got] == list(range(steps))
-    assert json.loads((tmp_path / "result.json").read_text())["steps"] == steps
-    for ddp, ref in zip(got, one_process):
+    assert json.loads((out / "result.json").read_text())["steps"] == steps
+    for ddp, ref in zip(got, one_process, strict=True):
         assert int(ddp["train_tokens"]) == int(ref["train_tokens"])  # the same global batch
         assert float(ddp["reward"]) == float(ref["reward"])  # the same rollouts
     first, ref = float(got[0]["loss"]), float(one_process[0]["loss"])
     assert first == pytest.approx(ref, rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_ranks_share_one_ray_store(tmp_path, ray_session, one_process):
+    """tq/backend=ray attached to one cluster: rank 0 generates each step once into the shared
+    store, every rank trains on its shard, and the update is the one-process update."""
+    address = ray_session.get_runtime_context().gcs_address
+    proc = subprocess.run(
+        subprocess_cmd(tmp_path, "trainer=ddp_cpu", "recipe.num_steps=2", "tq/backend=ray",
+                       f"++tq.backend.ray_init.address={address}",
+                       "tq.backend.ray_init.num_cpus=null", "++tq.backend.ray_init.log_to_driver=false",
+                       "tq.backend.store=ddp_recipe_test"),
+        cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=280, check=False)
+    assert_one_process_update(proc, tmp_path, one_process)
 
 
 def _wait_for(path: Path, text: str, proc: subprocess.Popen, timeout: float) -> None:

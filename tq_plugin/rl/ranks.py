@@ -2,9 +2,11 @@
 
 One RL step under DDP trains on the same global batch as one process would:
 
-* **shared store** (a backend whose class sets ``shared_across_ranks = True``): rank 0 generates
+* **shared store** (a backend class with ``shared = True``, e.g. ``tq/backend=ray``, whose config
+  names the cluster every rank attaches to: ``tq.backend.ray_init.address``): rank 0 generates
   the step once and writes it; the step meta is broadcast and each rank reads a length-balanced
-  shard (``MetaDataModule(rows="shared")``).
+  shard (``MetaDataModule(rows="shared")``). Without an address each rank would start its own
+  cluster, so that run is refused.
 * **embedded store** (``tq/backend=local``, one private store per rank): every rank replays the
   step: same seed, same weights (DDP keeps them identical), hence the same rollouts, rows, values
   and advantages. :func:`replica_shard` checks that the replicas agree (a mismatch raises instead
@@ -22,6 +24,7 @@ import dataclasses
 from typing import Any
 
 import torch
+from hydra.utils import get_class
 
 from tq_plugin.data_plane import KVBatchMeta, call_dp
 from tq_plugin.data_plane.sharding import shard_meta_for_dp
@@ -34,7 +37,7 @@ SCALED_BY_WORLD = ("loss", "value_loss")
 PARALLEL_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
 
 
-def check_parallel_run(trainer: Any, *, backend_cls: type, global_batch: int,
+def check_parallel_run(trainer: Any, *, backend: Any, global_batch: int,
                        save_artifacts: bool) -> None:
     """Refuse, before anything is built, a trainer setup the recipe cannot run correctly."""
     strategy = type(trainer.strategy).__name__
@@ -56,20 +59,26 @@ def check_parallel_run(trainer: Any, *, backend_cls: type, global_batch: int,
             f"rows per global batch must divide evenly over {world} DDP ranks")
     from tq_plugin.data_plane import LocalDataPlane
 
-    if not (issubclass(backend_cls, LocalDataPlane) or shared_across_ranks(backend_cls)):
+    backend_cls = get_class(backend._target_)
+    if not (issubclass(backend_cls, LocalDataPlane) or rank_shared_store(backend)):
         raise ValueError(
-            f"tq.backend={backend_cls.__name__} cannot be used by {world} DDP ranks: it does not "
-            "declare shared_across_ranks (every rank would build its own store, or write the same "
-            "keys into one). Use tq/backend=local, or run one process (trainer=cpu)")
+            f"tq.backend={backend_cls.__name__} with {world} DDP ranks: every rank must attach to "
+            "one store, but the config names no cluster (each rank would start its own). Attach them "
+            "to a running cluster (++tq.backend.ray_init.address=<host:port> "
+            "tq.backend.ray_init.num_cpus=null), use tq/backend=local, or run one process")
     if not save_artifacts and strategy == "DDPStrategy" and trainer.strategy.launcher is not None \
             and type(trainer.strategy.launcher).__name__ == "_MultiProcessingLauncher":
         raise ValueError("recipe.save_artifacts=false with trainer.strategy=ddp_spawn: the "
                          "run's summary only reaches the launching process through result.json")
 
 
-def shared_across_ranks(backend_cls: type) -> bool:
-    """Whether every DDP rank that builds this backend from the same config reaches one store."""
-    return bool(getattr(backend_cls, "shared_across_ranks", False))
+def rank_shared_store(backend: Any) -> bool:
+    """Whether every DDP rank that builds ``backend`` (the ``tq.backend`` node) reaches one store:
+    the class shares its rows across processes and the config names the cluster to attach to."""
+    if not getattr(get_class(backend._target_), "shared", False):
+        return False
+    address = backend.get("address") or (backend.get("ray_init") or {}).get("address")
+    return address not in (None, "", "local")
 
 
 def replica_shard(meta: KVBatchMeta, client: Any, *, strategy: Any, global_batch: int) -> KVBatchMeta:

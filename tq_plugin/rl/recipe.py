@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hydra.utils import get_class, instantiate
+from hydra.utils import instantiate
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
@@ -153,12 +153,11 @@ class RLRecipe:
                                    default_root_dir=str(self.output_dir),
                                    callbacks=callbacks, **extra)
         self.global_batch = self.rc.prompts_per_step * self.rc.group_size // self.rc.minibatches
-        backend_cls = get_class(self.cfg.tq.backend._target_)
-        ranks.check_parallel_run(self.trainer, backend_cls=backend_cls,
+        ranks.check_parallel_run(self.trainer, backend=self.cfg.tq.backend,
                                  global_batch=self.global_batch,
                                  save_artifacts=self.rc.save_artifacts)
         self.world_size = self.trainer.world_size
-        shared = ranks.shared_across_ranks(backend_cls)
+        shared = ranks.rank_shared_store(self.cfg.tq.backend)
         if self.world_size > 1:
             rank_zero_info(
                 f"[tq_plugin] {self.world_size} DDP ranks: "
