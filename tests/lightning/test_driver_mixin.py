@@ -197,3 +197,30 @@ def test_write_to_dataplane_lands_jagged_at_the_rows_lengths() -> None:
     host.write_to_dataplane(step, {"advantages": torch.tensor([[1.0, 2.0, 0.0], [3.0, 4.0, 5.0]])})
     got = host.dp_client.get_samples(step.sample_ids, "train", ["advantages"])["advantages"]
     assert [r.tolist() for r in got.unbind()] == [[1.0, 2.0], [3.0, 4.0, 5.0]]
+
+
+# ----------------------------------------------------------------------- one definition each
+def test_public_names_and_the_seeds_aliases_are_one_method() -> None:
+    assert TQDriverMixin._packing_args is TQDriverMixin.packing_args
+    assert TQDriverMixin._stamp_pad_seqlen is TQDriverMixin.stamp_pad_seqlen
+    assert TQDriverMixin._isolated_meta is TQDriverMixin.isolated_meta
+
+
+@pytest.mark.parametrize("mode", ["none", "sequence_packing", "dynamic_batching"])
+def test_demo_packing_setup_is_packing_config(mode: str) -> None:
+    from tq_plugin.config import PackingConfig
+    from tq_plugin.lightning.demo import packing_setup
+
+    cfg, attrs = packing_setup(mode, train_mb_tokens=64, micro_batch_size=4,
+                               sequence_length_round=8)
+    packing = PackingConfig(name=mode, use_sequence_packing=mode == "sequence_packing",
+                            use_dynamic_batches=mode == "dynamic_batching", train_mb_tokens=64,
+                            micro_batch_size=4, sequence_length_round=8)
+    assert (cfg, attrs) == (packing.model_cfg(), packing.host_attributes())
+
+
+def test_layouts_are_defined_once() -> None:
+    from tq_plugin.config import schema
+    from tq_plugin.lightning import layout
+
+    assert layout.LAYOUTS is schema.LAYOUTS

@@ -18,10 +18,12 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from tq_plugin.config.schema import LAYOUTS
 from tq_plugin.data_plane.column_io import jaggedize, materialize, nested_from_lengths
 from tq_plugin.data_plane.schema import TOKEN_ALIGNED_FIELDS
 
-LAYOUTS = ("padded", "packed")
+__all__ = ["CU_SEQLENS", "LAYOUTS", "PACKED_LAYOUT_FIELDS", "POSITION_IDS", "SEGMENT_IDS",
+           "PackedIndex", "packed_batch", "padded_batch"]
 CU_SEQLENS = "cu_seqlens"
 POSITION_IDS = "position_ids"
 SEGMENT_IDS = "segment_ids"

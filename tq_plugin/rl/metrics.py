@@ -2,7 +2,7 @@
 
 * ``metrics.csv``: one row per RL step (reward, tokens/s, padded-token fraction, data-plane bytes…);
 * ``resolved_config.yaml``: the composed config with interpolations resolved;
-* ``reward_curve.png``: reward per step;
+* ``reward_curve.png``: reward per step (with the ``plot`` extra, matplotlib);
 * ``result.json``: the run's summary, which the sweep report collects from every job.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import resource
 import time
 from collections.abc import Mapping
@@ -229,7 +230,13 @@ class MetricsLog:
 
 
 def plot_reward_curve(rows: list[dict[str, Any]], path: Path, *, title: str) -> None:
-    import matplotlib
+    """``reward_curve.png``; skipped with a warning without matplotlib (the ``plot`` extra)."""
+    try:
+        import matplotlib
+    except ImportError:
+        logging.getLogger(__name__).warning(
+            "matplotlib is not installed: no %s (pip install 'tq_plugin[plot]')", path.name)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
