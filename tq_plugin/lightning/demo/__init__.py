@@ -10,24 +10,7 @@ benchmarks and the README.
 The PPO/GRPO recipe (``tq_plugin.rl``) is the end-to-end example; it is not a demo surface.
 """
 
-from tq_plugin.lightning.demo.boring_classes import (
-    POLICY_FIELDS,
-    ROLLOUT_FIELDS,
-    VALUE_FIELDS,
-    DemoPolicy,
-    DemoValue,
-    SyntheticRollouts,
-    packing_setup,
-    partition_spec,
-)
+from tq_plugin.lightning.demo import boring_classes
+from tq_plugin.lightning.demo.boring_classes import *  # noqa: F403  (the demos' public names)
 
-__all__ = [
-    "POLICY_FIELDS",
-    "ROLLOUT_FIELDS",
-    "VALUE_FIELDS",
-    "DemoPolicy",
-    "DemoValue",
-    "SyntheticRollouts",
-    "packing_setup",
-    "partition_spec",
-]
+__all__ = list(boring_classes.__all__)
