@@ -11,6 +11,6 @@ The PPO/GRPO recipe (``tq_plugin.rl``) is the end-to-end example; it is not a de
 """
 
 from tq_plugin.lightning.demo import boring_classes
-from tq_plugin.lightning.demo.boring_classes import *  # noqa: F403  (the demos' public names)
+from tq_plugin.lightning.demo.boring_classes import *  # the demos' public names
 
 __all__ = list(boring_classes.__all__)
