@@ -145,8 +145,10 @@ def test_write_columns_refuses_lengths_that_disagree_with_the_stored_rows(store)
     stale = KVBatchMeta("train", None, meta.sample_ids, sequence_lengths=[1, 1, 1])
     rejected(
         ValueError,
-        r"sequence_lengths disagree with the stored 'input_lengths' for sample_ids 'a', 'b', 'c': "
-        r"meta says \[1, 1, 1\], the store holds \[5, 9, 3\]",
+        # the store checks inside its put (LocalDataPlane); a client that does not gets the read
+        r"(sequence_lengths disagree with the stored 'input_lengths' for sample_ids 'a', 'b', 'c': "
+        r"meta says \[1, 1, 1\], the store holds \[5, 9, 3\])|('advantages' is per-token.*"
+        r"\('a', 1, 5\), \('b', 1, 9\), \('c', 1, 3\))",
         client,
         lambda: write_columns(client, stale, {"advantages": torch.zeros(3, 9)}),
     )
@@ -220,7 +222,7 @@ def test_first_write_over_existing_ids_is_refused_unless_overwrite(store):
     )
     assert meta.sequence_lengths == [2, 2, 2]
     # the old meta is now stale, and write_columns says so instead of misaligning the rows
-    with pytest.raises(ValueError, match=r"meta says \[5, 9, 3\], the store holds \[2, 2, 2\]"):
+    with pytest.raises(ValueError, match=r"(meta says \[5, 9, 3\], the store holds \[2, 2, 2\])|('advantages' is per-token.*\('a', 5, 2\))"):
         write_columns(client, old, {"advantages": torch.zeros(3, 9)})
 
 
@@ -375,7 +377,7 @@ def _must_refuse(lens, dtype, layout, width, ids, pad, overwrite, existing) -> b
         # int32 lengths: the partition already holds int64 ones, and a field keeps one dtype
         or dtype in (torch.float32, torch.bool, torch.int32)
         or min(lens, default=0) < 0
-        or (layout == "padded" and width < max(lens, default=0))
+        or (layout == "padded" and max(width, 0) < max(lens, default=0))
         or not isinstance(pad, int)
         or pad < 1
         or (not overwrite and bool(set(ids) & existing))

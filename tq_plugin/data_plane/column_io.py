@@ -309,9 +309,10 @@ def write_columns(
     So a padded write-back (``[N, pad_target]`` advantages, say) lands jagged, at the same row
     lengths as the first put, and the next padded read lines up with ``input_ids``. Rows must
     already exist (the put runs in ``mode="update"``), so a typo'd id never mints a row. A write
-    of per-token columns first reads the rows' stored ``input_lengths`` (one small dense read)
-    and refuses a meta whose ``sequence_lengths`` disagree; a meta without lengths takes the
-    stored ones. Nothing is written unless every check passes. Raises:
+    of per-token columns is checked against the rows' stored ``input_lengths``: by the store
+    inside the put when it says it does (``client.checks_token_alignment``, as
+    ``LocalDataPlane`` and ``RayDataPlane`` do), else by one small dense read first. A meta
+    without lengths takes the stored ones. Nothing is written unless every check passes. Raises:
 
     * ``TypeError``: ``meta`` not a ``KVBatchMeta``, ``fields`` not a mapping of tensors, a
       non-jagged nested tensor;
@@ -334,10 +335,16 @@ def write_columns(
             "write_columns", "meta.sequence_lengths", meta.sequence_lengths, meta.size
         )
     )
-    lengths = claimed
-    if any(name in TOKEN_ALIGNED_FIELDS for name in fields.keys()):  # noqa: SIM118
-        lengths = _stored_lengths(client, meta, claimed)
-    columns = to_wire_columns(fields, lengths)
+    per_token = [name for name in fields.keys() if name in TOKEN_ALIGNED_FIELDS]  # noqa: SIM118
+    columns = to_wire_columns(fields, claimed) if claimed is not None else None
+    # A store that checks jagged per-token rows against its own input_lengths inside the put
+    # (atomic, no extra read) says so; otherwise, or when a per-token name arrives as a dense
+    # per-row column (which that check does not cover), the stored lengths are read and compared.
+    store_checks = getattr(client, "checks_token_alignment", False) and columns is not None
+    if per_token and not (store_checks and all(columns[n].is_nested for n in per_token)):  # type: ignore[index]
+        columns = to_wire_columns(fields, _stored_lengths(client, meta, claimed))
+    elif columns is None:
+        columns = to_wire_columns(fields, None)
     call_dp(
         client,
         "put_samples",

@@ -134,6 +134,10 @@ class LocalDataPlane(TaskCursors):
     nothing, instead of the process being killed for memory.
     """
 
+    # put_samples refuses jagged per-token rows whose lengths differ from the rows' stored
+    # input_lengths (column I/O then skips its own check read).
+    checks_token_alignment = True
+
     def __init__(self, *, capacity_bytes: int | None = None) -> None:
         if capacity_bytes is None:
             capacity_bytes = int(DEFAULT_CAPACITY_FRACTION * available_memory_bytes())
