@@ -317,11 +317,11 @@ def _take_staged(block: torch.Tensor) -> tuple[Any, int, int]:
     return found if found is not None else _stage(block)
 
 
-def _fetch(blocks: list[Any]) -> list[np.ndarray]:
+def _fetch(blocks: list[Any], timeout_s: float | None = None) -> list[np.ndarray]:
     refs = [i for i, b in enumerate(blocks) if not isinstance(b, np.ndarray)]
     out = list(blocks)
     if refs:
-        for i, arr in zip(refs, _ray().get([blocks[i] for i in refs])):
+        for i, arr in zip(refs, _ray().get([blocks[i] for i in refs], timeout=timeout_s)):
             out[i] = arr
     return out
 
@@ -442,9 +442,11 @@ class RayDataPlane:
         namespace: str = DEFAULT_NAMESPACE,
         address: str | None = None,
         ray_init: Mapping[str, Any] | None = None,
+        op_timeout_s: float = 300.0,
         _create: bool = True,
     ) -> None:
         ray = _ray()
+        self.op_timeout_s = float(op_timeout_s)
         start_ray_on_loopback(address, namespace, ray_init)
         key = (namespace, actor_name)
         self._actor = _HOSTS.get(key)
@@ -467,13 +469,17 @@ class RayDataPlane:
         self.store = store
         self.actor_name = actor_name
         self.namespace = namespace
-        self._owner = bool(ray.get(self._actor.open.remote(store, create=_create)))
+        self._owner = bool(ray.get(self._actor.open.remote(store, create=_create),
+                                   timeout=self.op_timeout_s))
         self._closed = False
 
-    def _call(self, method: str, **kwargs: Any) -> Any:
+    def _call(self, method: str, *, extra_s: float = 0.0, **kwargs: Any) -> Any:
+        """Run ``method`` in the store actor; ``GetTimeoutError`` (a ``TimeoutError``) after
+        ``op_timeout_s`` (+ ``extra_s``, a blocking claim's own wait)."""
         if self._closed:
             raise DataPlaneClosedError("RayDataPlane client is closed; create a new client")
-        return _ray().get(self._actor.call.remote(self.store, method, kwargs))
+        ref = self._actor.call.remote(self.store, method, kwargs)
+        return _ray().get(ref, timeout=self.op_timeout_s + extra_s)
 
     @property
     def is_owner(self) -> bool:
@@ -520,7 +526,7 @@ class RayDataPlane:
                           select_fields=list(select_fields))
         fields = plan["fields"]
         blocks = [b for f in fields.values() for b in f[3]]
-        arrays = iter(_fetch(blocks))  # one object-store round trip for every field
+        arrays = iter(_fetch(blocks, self.op_timeout_s))  # one object-store trip for all fields
         out: dict[str, torch.Tensor] = {}
         for name, (jagged, dtype, shape, held, elements, index, start, length) in fields.items():
             mine = [next(arrays) for _ in held]
@@ -559,7 +565,8 @@ class RayDataPlane:
     def claim_meta(self, partition_id: str, task_name: str, required_fields: Sequence[str],
                    batch_size: int, dp_rank: int | None = None, blocking: bool = True,
                    timeout_s: float = 60.0) -> KVBatchMeta:
-        return self._call("claim_meta", partition_id=partition_id, task_name=task_name,
+        return self._call("claim_meta", extra_s=max(0.0, timeout_s) if blocking else 0.0,
+                          partition_id=partition_id, task_name=task_name,
                           required_fields=list(required_fields), batch_size=batch_size,
                           dp_rank=dp_rank, blocking=blocking, timeout_s=timeout_s)
 
@@ -575,7 +582,7 @@ class RayDataPlane:
         if self._closed:
             return
         if self._owner:
-            _ray().get(self._actor.drop.remote(self.store))
+            _ray().get(self._actor.drop.remote(self.store), timeout=self.op_timeout_s)
         self._closed = True
 
     @property
@@ -586,9 +593,10 @@ class RayDataPlane:
         # Shipped to another process (a Ray worker, a DDP rank, a subprocess): attach there by
         # name, reaching this cluster when that process does not run Ray yet.
         address = _ray().get_runtime_context().gcs_address
-        return (_attach, (self.store, self.actor_name, self.namespace, address))
+        return (_attach, (self.store, self.actor_name, self.namespace, address, self.op_timeout_s))
 
 
-def _attach(store: str, actor_name: str, namespace: str, address: str | None = None) -> RayDataPlane:
+def _attach(store: str, actor_name: str, namespace: str, address: str | None = None,
+            op_timeout_s: float = 300.0) -> RayDataPlane:
     return RayDataPlane(store, actor_name=actor_name, namespace=namespace, address=address,
-                        _create=False)
+                        op_timeout_s=op_timeout_s, _create=False)

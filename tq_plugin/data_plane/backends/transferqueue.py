@@ -263,20 +263,19 @@ class TransferQueueDataPlane:
         return dict(listed.get(self._pid(partition_id), {}))
 
     def _schema(self, partition_id: str) -> dict[str, Any]:
-        meta = self._ccall("kv_retrieve_meta",
-                          keys=[SCHEMA_KEY], partition_id=self._pid(partition_id), create=False)
+        meta = self._ccall("kv_retrieve_meta", keys=[SCHEMA_KEY],
+                           partition_id=self._pid(partition_id), create=False)
         if meta.size == 0:
             raise KeyError(f"unknown partition {partition_id!r}; call register_partition first")
         return json.loads(meta.custom_meta[0]["schema"])
 
     def _save_schema(self, partition_id: str, schema: dict[str, Any]) -> None:
-        self._call("kv_put", key=SCHEMA_KEY,
-                   partition_id=self._pid(partition_id), fields=None,
+        self._call("kv_put", key=SCHEMA_KEY, partition_id=self._pid(partition_id), fields=None,
                    tag={"schema": json.dumps(schema)})
 
     def _existing(self, partition_id: str, ids: list[str]) -> int:
-        meta = self._ccall("kv_retrieve_meta",
-                          keys=ids, partition_id=self._pid(partition_id), create=False)
+        meta = self._ccall("kv_retrieve_meta", keys=ids, partition_id=self._pid(partition_id),
+                           create=False)
         return meta.size
 
     # ------------------------------------------------------------------ schema
@@ -366,11 +365,9 @@ class TransferQueueDataPlane:
             if n:
                 if changed:
                     self._save_schema(partition_id, schema)
-                self._call("kv_batch_put", keys=ids,
-                    partition_id=self._pid(partition_id),
-                    fields=TensorDict(payload, batch_size=[n]) if payload else None,
-                    tags=tag_rows,
-                )
+                self._call("kv_batch_put", keys=ids, partition_id=self._pid(partition_id),
+                           fields=TensorDict(payload, batch_size=[n]) if payload else None,
+                           tags=tag_rows)
         return KVBatchMeta(
             partition_id=partition_id,
             task_name=None,
@@ -524,8 +521,8 @@ class TransferQueueDataPlane:
         if not meta.size:
             return KVBatchMeta(partition_id=partition_id, task_name=task_name, sample_ids=[],
                                fields=required, tags=[])
-        keys = self._ccall("kv_retrieve_keys",
-                          global_indexes=list(meta.global_indexes), partition_id=self._pid(partition_id))
+        keys = self._ccall("kv_retrieve_keys", global_indexes=list(meta.global_indexes),
+                           partition_id=self._pid(partition_id))
         keys = list(keys)
         tags = [dict(t or {}) for t in (meta.custom_meta or [{}] * meta.size)]
         lengths = None
@@ -545,8 +542,7 @@ class TransferQueueDataPlane:
         schema = self._ccall("kv_retrieve_meta", keys=[SCHEMA_KEY],
                             partition_id=pid, create=False)
         for task in task_names:
-            index, status = self._ccall("get_consumption_status",
-                                       task_name=task, partition_id=pid)
+            index, status = self._ccall("get_consumption_status", task_name=task, partition_id=pid)
             if index is None or status is None:
                 return False
             rows = ~torch.isin(torch.as_tensor(index), torch.as_tensor(list(schema.global_indexes)))
