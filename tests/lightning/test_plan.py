@@ -118,3 +118,30 @@ def test_policy_and_value_get_independent_targets_across_epochs() -> None:
         assert {mb.extra_info[GLOBAL_FORWARD_PAD_SEQLEN] for mb in v} == {30}
         assert v[-1].extra_info[MICROBATCH_INFO]["last_in_step"] is (epoch == 1)
     assert meta.extra_info[GLOBAL_FORWARD_PAD_SEQLEN] == 4096
+
+
+@pytest.mark.parametrize(
+    "mode, kwargs",
+    [("none", {}), ("sequence_packing", {"train_mb_tokens": 32}),
+     ("dynamic_batching", {"train_mb_tokens": 48, "sequence_length_round": 8})],
+)
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_loss_tokens_are_the_global_batch_per_rank_in_every_mode(
+    mode: str, kwargs: dict[str, Any], world_size: int
+) -> None:
+    """Global batches of 4 rows: every microbatch carries its global batch's real tokens (over
+    all ranks) and the per-rank normalizer, whatever the mode cut the rows into."""
+    host = Host(mode, **kwargs)
+    meta = step_meta()
+    for rank in range(world_size):
+        mbs = plan(host, meta, world_size=world_size, rank=rank, global_batch_size=4,
+                   micro_batch_size=1)
+        by_gb: dict[int, set] = {}
+        for mb in mbs:
+            info = mb.extra_info[MICROBATCH_INFO]
+            by_gb.setdefault(info["global_batch"], set()).add(
+                (info["global_batch_tokens"], info["loss_tokens"]))
+        assert all(len(v) == 1 for v in by_gb.values()), by_gb  # one value per global batch
+        totals = [next(iter(by_gb[g]))[0] for g in sorted(by_gb)]
+        assert sum(totals) == sum(LENGTHS)
+        assert all(next(iter(by_gb[g]))[1] == t / world_size for g, t in zip(sorted(by_gb), totals))

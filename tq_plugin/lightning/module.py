@@ -87,12 +87,14 @@ class MetaBatchMixin:
         return self.dp_meta.extra_info.get(MICROBATCH_INFO)
 
     @property
-    def dp_global_batch_tokens(self) -> int:
-        """Real tokens of this rank's part of the current global batch: the loss normalizer."""
+    def dp_loss_tokens(self) -> float:
+        """The loss normalizer: real tokens of the current global batch per rank that DDP
+        averages over (shared rows: the whole global batch over ``world_size``; local rows:
+        this rank's part, exact when ranks hold equal tokens)."""
         info = self.dp_microbatch
-        if info is None or "global_batch_tokens" not in info:
-            raise RuntimeError("dp_global_batch_tokens needs a microbatch planned by plan_step")
-        return int(info["global_batch_tokens"])
+        if info is None or "loss_tokens" not in info:
+            raise RuntimeError("dp_loss_tokens needs a microbatch planned by plan_step")
+        return float(info["loss_tokens"])
 
     def dp_real_tokens(self, like: torch.Tensor) -> torch.Tensor:
         """1.0 on real tokens, 0.0 on padding, shaped like a per-token ``[B, S]`` / ``[1, T]``."""
@@ -116,7 +118,7 @@ class MetaBatchMixin:
         weights = self.dp_real_tokens(values)
         if mask is not None:
             weights = weights * mask
-        return (values * weights).sum() / max(self.dp_global_batch_tokens, 1)
+        return (values * weights).sum() / max(self.dp_loss_tokens, 1.0)
 
     def _dp_accumulating(self) -> bool:
         return (self.dp_accumulate and self.dp_microbatch is not None

@@ -75,6 +75,19 @@ def _equalize(ranges: list[list[int]], count: int) -> list[list[int]]:
     return out
 
 
+def _shard_plan(shard: KVBatchMeta, per_gb: int | None, micro: int | None) -> list[list[list[int]]]:
+    """A shard's microbatch row ranges per global batch: the packer's plan, else fixed rows."""
+    plan = shard.extra_info.get(MICRO_BATCH_INDICES)
+    if plan is None:
+        plan = _row_ranges(shard.size, per_gb, micro) if shard.size else []
+    return [[list(r) for r in gb] for gb in plan]
+
+
+def _tokens(shard: KVBatchMeta, ranges: list[list[int]]) -> int:
+    seq = shard.sequence_lengths or []
+    return sum(sum(seq[s:e]) for s, e in ranges)
+
+
 def plan_step(
     meta: KVBatchMeta,
     *,
@@ -135,13 +148,19 @@ def plan_step(
         shard = shards[shard_rank]
     else:
         shard = isolated
-    plan = shard.extra_info.get(MICRO_BATCH_INDICES)
+    per_gb = None if batch_size is None else batch_size // dp_world
     lengths = shard.extra_info.get(MICRO_BATCH_LENGTHS)
-    if plan is None:
-        per_gb = None if batch_size is None else batch_size // dp_world
-        plan = _row_ranges(shard.size, per_gb, micro_batch_size) if shard.size else []
+    if MICRO_BATCH_INDICES not in shard.extra_info:
         lengths = None
-    plan = [[list(r) for r in gb] for gb in plan]
+    plan = _shard_plan(shard, per_gb, micro_batch_size)
+    # Real tokens of each global batch over every rank: known here when every rank plans the
+    # whole step (shared rows); with local rows each rank knows only its own.
+    gb_tokens = [_tokens(shard, gb) for gb in plan]
+    if rows == "shared" and isolated.size and world_size > 1:
+        gb_tokens = [0] * len(plan)
+        for other in shards:
+            for g, gb in enumerate(_shard_plan(other, per_gb, micro_batch_size)[: len(plan)]):
+                gb_tokens[g] += _tokens(other, gb)
     if agree:
         target = int(isolated.extra_info.get(GLOBAL_FORWARD_PAD_SEQLEN, 0))
         target, n_gb = reduce_max([target, len(plan)])  # type: ignore[misc]
@@ -157,13 +176,10 @@ def plan_step(
     if sp_args is not None:
         base[PACK_PAD_MULTIPLE] = int(sp_args.get("sequence_length_pad_multiple", 1))
     total = sum(len(gb) for gb in plan)
-    seq = shard.sequence_lengths or []
+    spread = world_size if rows == "shared" else 1
     out: list[KVBatchMeta] = []
     for g, gb in enumerate(plan):
-        # The loss normalizer: real tokens of this rank's part of the global batch, the same
-        # whatever the packing mode cut it into.
-        gb_tokens = sum(sum(seq[s:e]) for s, e in gb)
-        gb_rows = sum(e - s for s, e in gb)
+        tokens = gb_tokens[g] if g < len(gb_tokens) else 0
         for j, (start, end) in enumerate(gb):
             mb = shard.slice(start, end) if end > start else shard.subset([])
             extra = dict(base)
@@ -179,8 +195,11 @@ def plan_step(
                 "index_in_step": epoch * total + len(out),
                 "last_in_global_batch": j == len(gb) - 1,
                 "last_in_step": last,
-                "global_batch_tokens": gb_tokens,
-                "global_batch_rows": gb_rows,
+                # The loss normalizer (MetaBatchMixin.dp_token_mean): the global batch's real
+                # tokens over the ranks DDP averages across, so rank-mean of the per-rank
+                # losses is the token mean of the whole global batch, in every packing mode.
+                "global_batch_tokens": tokens,
+                "loss_tokens": tokens / spread,
             }
             if last:
                 extra[STEP_SAMPLE_IDS] = list(shard.sample_ids)
