@@ -20,7 +20,7 @@ from torch.nested._internal.nested_tensor import NestedTensor
 
 from tq_plugin.data_plane.backends._columns import ColumnSpec, dtype_support
 from tq_plugin.data_plane.client import FieldsLike
-from tq_plugin.data_plane.schema import INPUT_LENGTHS
+from tq_plugin.data_plane.schema import INPUT_LENGTHS, TOKEN_ALIGNED_FIELDS
 
 _SHOW = 5  # how many offending items an error message names
 _PRIMITIVES = frozenset({str, int, float, bool, type(None)})
@@ -293,3 +293,42 @@ def _prepare_nested(name: str, value: torch.Tensor, n: int, live: Any) -> Prepar
             raise_mismatch(name, live.spec, spec)
         promote = True
     return Prepared(name, spec, block, lengths, promote)
+
+
+def check_token_alignment(
+    part: Any, ids: list[str], found: list[int | None], prepared: list[Prepared]
+) -> None:
+    """Jagged per-token columns must have each row's ``input_lengths`` elements.
+
+    The lengths come from the put itself when it carries ``input_lengths``, else from the
+    rows already stored, so a write-back can never drift out of line with ``input_ids``.
+    """
+    aligned = [p for p in prepared if p.spec.jagged and p.name in TOKEN_ALIGNED_FIELDS]
+    if not aligned:
+        return
+    own = next((p for p in prepared if p.name == INPUT_LENGTHS), None)
+    rows = np.arange(len(ids))
+    if own is not None and not own.spec.jagged and own.spec.shape == ():
+        expected = own.block.to(torch.int64).numpy()
+    else:
+        col = part.columns.get(INPUT_LENGTHS)
+        if col is None or col.spec.jagged or col.spec.shape != () or None in found:
+            if col is None or col.spec.jagged or col.spec.shape != ():
+                return
+            rows = np.array([i for i, x in enumerate(found) if x is not None], dtype=np.int64)
+        slots = np.array([found[i] for i in rows.tolist()], dtype=np.int64)
+        held = col.has(slots)
+        rows, slots = rows[held], slots[held]
+        if not rows.shape[0]:
+            return
+        expected = col.read(slots).to(torch.int64).numpy()
+    for p in aligned:
+        got = p.lengths[rows]  # type: ignore[index]
+        bad = np.flatnonzero(got != expected)
+        if bad.shape[0]:
+            shown = [(ids[int(rows[i])], int(got[i]), int(expected[i])) for i in bad[:5].tolist()]
+            raise ValueError(
+                f"put_samples: field {p.name!r} is per-token, so each row must have "
+                f"{INPUT_LENGTHS!r} elements; {bad.shape[0]} rows differ "
+                f"(id, got, {INPUT_LENGTHS}): {shown}"
+            )

@@ -10,21 +10,22 @@ puts and reads never see a half-written row.
 from __future__ import annotations
 
 import copy
-import ctypes
 import threading
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 from tensordict import TensorDict
 
+from tq_plugin.data_plane.backends._buffer import RowBuffer, RowPlan
 from tq_plugin.data_plane.backends._claims import TaskCursors
 from tq_plugin.data_plane.backends._columns import ColumnSpec, DenseColumn, JaggedColumn
 from tq_plugin.data_plane.backends._validate import (
     Prepared,
+    check_token_alignment,
     checked_tags,
     copy_tag,
     field_items,
@@ -41,9 +42,7 @@ from tq_plugin.data_plane.client import (
     FieldsLike,
 )
 from tq_plugin.data_plane.meta import KVBatchMeta
-from tq_plugin.data_plane.schema import INPUT_LENGTHS, TOKEN_ALIGNED_FIELDS
 
-_string_at = ctypes.string_at
 PUT_MODES = ("upsert", "insert", "update")
 # The default capacity: this share of the memory available when the store is created. Buffers
 # keep geometric headroom (up to 2x live), so this keeps a full store under what is available.
@@ -86,8 +85,8 @@ class _Partition:
     pending: dict[str, dict[str, None]] = field(default_factory=dict)
     # One-row puts of a known row layout wait here, packed, until a read (or a full buffer)
     # writes them into the columns in one batch: (slot, plan, packed bytes of the row).
-    buffered: list[tuple[int, _RowPlan, bytes]] = field(default_factory=list)
-    plans: dict[tuple, _RowPlan] = field(default_factory=dict)
+    buffered: list[tuple[int, RowPlan, bytes]] = field(default_factory=list)
+    plans: dict[tuple, RowPlan] = field(default_factory=dict)
     epoch: int = 0  # bumped whenever a column or the schema changes; plans of older epochs lapse
 
     @property
@@ -95,33 +94,7 @@ class _Partition:
         return sum(c.live_bytes for c in self.columns.values())
 
 
-class _RowPlan(NamedTuple):
-    """A validated one-row layout: which fields, how each is stored, where its bytes sit in the
-    packed row. Built by the full validation of the first such row; reused while ``epoch`` holds."""
-
-    epoch: int
-    fields: tuple[tuple[str, ColumnSpec, tuple[int, ...], int, int], ...]  # name, spec, shape, start, stop
-    nbytes: int
-    order: tuple[int, ...]  # the put's fields in packing order (widest elements first: aligned)
-
-    def unpack(self, rows: list[bytes]) -> list[Prepared]:
-        """Packed rows back to one ``Prepared`` block per field (numpy slices: single-threaded
-        small copies, no torch dispatch per row)."""
-        k = len(rows)
-        flat = np.frombuffer(bytearray(b"".join(rows)), dtype=np.uint8).reshape(k, self.nbytes)
-        out = []
-        for name, spec, shape, start, stop in self.fields:
-            raw = torch.from_numpy(np.ascontiguousarray(flat[:, start:stop]).reshape(-1))
-            block = raw.view(spec.dtype).reshape(k, *shape)
-            if spec.jagged:
-                out.append(Prepared(name, spec, block.reshape(-1, *spec.shape),
-                                    np.full(k, shape[0], dtype=np.int64), False))
-            else:
-                out.append(Prepared(name, spec, block, None, False))
-        return out
-
-
-class LocalDataPlane(TaskCursors):
+class LocalDataPlane(RowBuffer, TaskCursors):
     """Embedded keyed columnar store (implements ``DataPlaneClient``).
 
     Partitions must be registered before use. ``fields`` declares the names producers may write
@@ -170,11 +143,6 @@ class LocalDataPlane(TaskCursors):
         if flush and part.buffered:
             self._flush(part)
         return part
-
-    def _flush_all(self) -> None:
-        for part in self._partitions.values():
-            if part.buffered:
-                self._flush(part)
 
     def close(self) -> None:
         """Release every partition. Idempotent; any later operation raises."""
@@ -358,7 +326,7 @@ class LocalDataPlane(TaskCursors):
                 f"the store past capacity_bytes={self.capacity_bytes} ({self._live_bytes} held); "
                 "clear consumed rows or raise capacity_bytes"
             )
-        self._check_token_alignment(part, ids, found, prepared)
+        check_token_alignment(part, ids, found, prepared)
         # Slots for new ids, planned without touching the partition yet.
         reuse = min(len(new), len(part.free_slots))
         new_slots = [*part.free_slots[len(part.free_slots) - reuse :],
@@ -426,143 +394,6 @@ class LocalDataPlane(TaskCursors):
             else:
                 delta += col.write(slots, p.block)
         return delta
-
-    # ------------------------------------------------------------------ one-row write buffer
-    _FLUSH_ROWS = 64
-
-    def _buffer_one(
-        self, part: _Partition, sid: str, items: list[tuple[str, torch.Tensor]],
-        tag_rows: list[dict[str, Any]] | None,
-    ) -> bool:
-        """Acknowledge a one-row put of a new id by packing it into the partition's buffer.
-
-        Only for a row layout validated before (a ``_RowPlan``), into live columns of the same
-        kind; anything else (first row of a layout, a field that must turn jagged, a per-token
-        column, non-CPU or grad tensors) returns False and takes the full path. The row is
-        copied here, so the caller may reuse its tensors; reads write buffered rows first.
-        """
-        try:
-            key = tuple((name, v.dtype, v.shape, v.layout, v.is_cpu, v.requires_grad,
-                         v.is_contiguous()) for name, v in items if type(v) is torch.Tensor)
-        except (AttributeError, RuntimeError, NotImplementedError):
-            return False
-        if len(key) != len(items):
-            return False
-        plan = part.plans.get(key)
-        if plan is None or plan.epoch != part.epoch:
-            plan = self._plan(part, items)
-            if plan is None:
-                return False
-            if len(part.plans) > 64:
-                part.plans.clear()
-            part.plans[key] = plan
-        if part.num_samples is not None and len(part.slot_of) + 1 > part.num_samples:
-            raise CapacityError(
-                f"put_samples: partition {part.partition_id!r} holds {len(part.slot_of)} rows; "
-                f"1 more would pass its num_samples={part.num_samples}"
-            )
-        if self._live_bytes + plan.nbytes > self.capacity_bytes:
-            raise CapacityError(
-                f"put_samples: {plan.nbytes} bytes for partition {part.partition_id!r} would take "
-                f"the store past capacity_bytes={self.capacity_bytes} ({self._live_bytes} held); "
-                "clear consumed rows or raise capacity_bytes"
-            )
-        # The one copy of the row: its bytes, field after field (contiguous CPU tensors only).
-        tensors = [items[i][1] for i in plan.order]
-        packed = b"".join([_string_at(t.data_ptr(), t.nbytes) for t in tensors])
-        slot = part.free_slots.pop() if part.free_slots else part.next_slot
-        if slot == part.next_slot:
-            part.next_slot += 1
-        arrival = part.arrival
-        if slot >= arrival.shape[0]:
-            arrival = np.zeros(max(slot + 1, 2 * arrival.shape[0]), dtype=np.int64)
-            arrival[: part.arrival.shape[0]] = part.arrival
-        self._admit(part, [sid], [slot], arrival)
-        if tag_rows is not None:
-            part.tags.setdefault(sid, {}).update(tag_rows[0])
-        part.buffered.append((slot, plan, packed))
-        self._live_bytes += plan.nbytes
-        if len(part.buffered) >= self._FLUSH_ROWS:
-            self._flush(part)
-        self._produced.notify_all()
-        return True
-
-    def _plan(self, part: _Partition, items: list[tuple[str, torch.Tensor]]) -> _RowPlan | None:
-        """Validate a one-row layout in full; a plan when its rows can be buffered, else None."""
-        prepared = [prepare(part, name, value, 1) for name, value in items]  # raises on bad input
-        for (name, value), p in zip(items, prepared):
-            col = part.columns.get(name)
-            if (p.promote or col is None or not col.live_rows or col.spec != p.spec
-                    or not value.is_cpu or value.requires_grad or not value.is_contiguous()
-                    or (p.spec.jagged and name in TOKEN_ALIGNED_FIELDS)):
-                return None
-        # Widest elements first, so every field starts aligned for its dtype in the packed row.
-        order = sorted(range(len(items)), key=lambda i: -items[i][1].element_size())
-        fields = []
-        start = 0
-        for i in order:
-            name, value = items[i]
-            stop = start + value.numel() * value.element_size()
-            fields.append((name, prepared[i].spec, tuple(value.shape[1:]), start, stop))
-            start = stop
-        return _RowPlan(part.epoch, tuple(fields), start, tuple(order))
-
-    def _flush(self, part: _Partition) -> None:
-        """Write the partition's buffered rows into its columns, a run of one plan at a time.
-
-        An allocation failure leaves the rows buffered (acknowledged, never dropped) and raises.
-        """
-        rows = part.buffered
-        while rows:
-            plan = rows[0][1]
-            k = next((i for i, r in enumerate(rows) if r[1] is not plan), len(rows))
-            run = rows[:k]
-            slots = np.fromiter((r[0] for r in run), dtype=np.int64, count=k)
-            prepared = plan.unpack([r[2] for r in run])
-            targets, grew = self._reserve(part, prepared, int(slots.max()) + 1)
-            self._live_bytes += self._write(part, prepared, targets, slots) - k * plan.nbytes
-            del rows[:k]
-            if grew:
-                self._peak_bytes = max(self._peak_bytes, self._reserved_bytes())
-
-    @staticmethod
-    def _check_token_alignment(
-        part: _Partition, ids: list[str], found: list[int | None], prepared: list[Prepared]
-    ) -> None:
-        """Jagged per-token columns must have each row's ``input_lengths`` elements.
-
-        The lengths come from the put itself when it carries ``input_lengths``, else from the
-        rows already stored, so a write-back can never drift out of line with ``input_ids``.
-        """
-        aligned = [p for p in prepared if p.spec.jagged and p.name in TOKEN_ALIGNED_FIELDS]
-        if not aligned:
-            return
-        own = next((p for p in prepared if p.name == INPUT_LENGTHS), None)
-        rows = np.arange(len(ids))
-        if own is not None and not own.spec.jagged and own.spec.shape == ():
-            expected = own.block.to(torch.int64).numpy()
-        else:
-            col = part.columns.get(INPUT_LENGTHS)
-            if col is None or col.spec.jagged or col.spec.shape != () or None in found:
-                if col is None or col.spec.jagged or col.spec.shape != ():
-                    return
-                rows = np.array([i for i, x in enumerate(found) if x is not None], dtype=np.int64)
-            slots = np.array([found[i] for i in rows.tolist()], dtype=np.int64)
-            held = col.has(slots)
-            rows, slots = rows[held], slots[held]
-            if not rows.shape[0]:
-                return
-            expected = col.read(slots).to(torch.int64).numpy()
-        for p in aligned:
-            got = p.lengths[rows]  # type: ignore[index]
-            bad = np.flatnonzero(got != expected)
-            if bad.shape[0]:
-                shown = [(ids[int(rows[i])], int(got[i]), int(expected[i])) for i in bad[:5].tolist()]
-                raise ValueError(
-                    f"put_samples: field {p.name!r} is per-token, so each row must have "
-                    f"{INPUT_LENGTHS!r} elements; {bad.shape[0]} rows differ "
-                    f"(id, got, {INPUT_LENGTHS}): {shown}"
-                )
 
     def _new_column(self, spec: ColumnSpec) -> Any:
         """The column a field with no live rows gets (a hook for stores that keep bytes elsewhere).
