@@ -56,7 +56,7 @@ from tq_plugin.staging import (
 from tq_plugin.staging.reassembler import REASSEMBLED_FIELDS
 
 SCHEDULES = 1000
-MAX_ATTEMPTS = 60
+MAX_ATTEMPTS = 20  # a schedule injects at most 6 faults, so 7 attempts always suffice
 STAGING, TRAIN = "rollout_staging", "train"
 
 _KINDS = {

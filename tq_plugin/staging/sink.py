@@ -315,20 +315,22 @@ class TQTokenSink:
         acknowledged row is never risked (a later retry of the stage settles the key).
         """
         try:
-            # Equal: durable. Different: another acknowledged call holds the key; kept.
-            return _rows_equal(self.store.get([key], select_fields=list(fields)), fields)
+            stored = self.store.get([key], select_fields=["digest_bytes"])
+            same_digest = _rows_equal(stored, {"digest_bytes": fields["digest_bytes"]})
         except KeyError:
-            pass  # absent, or lacks some field of this call
+            self._discard(key)  # absent, or no digest: nothing acknowledged lives there
+            return False
         except Exception as exc:  # noqa: BLE001 - uncertain: keep everything
             self._uncertain(key, exc)
             return False
+        if not same_digest:
+            return False  # another call's acknowledged row: kept
         try:
-            stored = self.store.get([key], select_fields=["digest_bytes"])
-            if _rows_equal(stored, {"digest_bytes": fields["digest_bytes"]}):
-                self._discard(key)  # this call's digest, some field missing: a partial write
-            return False  # another call's row with a different digest is kept
+            # Equal in every field: durable. Different (other pixels under the same tokens):
+            # another acknowledged call's row, kept.
+            return _rows_equal(self.store.get([key], select_fields=list(fields)), fields)
         except KeyError:
-            self._discard(key)  # absent, or no digest: nothing acknowledged lives there
+            self._discard(key)  # this call's digest, some field missing: a partial write
         except Exception as exc:  # noqa: BLE001 - uncertain: keep everything
             self._uncertain(key, exc)
         return False
