@@ -9,23 +9,25 @@ puts and reads never see a half-written row.
 
 from __future__ import annotations
 
-import copy
 import threading
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 from tensordict import TensorDict
 
-from tq_plugin.data_plane.backends._buffer import RowBuffer, RowPlan
+from tq_plugin.data_plane.backends._buffer import RowBuffer
 from tq_plugin.data_plane.backends._claims import TaskCursors
-from tq_plugin.data_plane.backends._columns import ColumnSpec, DenseColumn, JaggedColumn
+from tq_plugin.data_plane.backends._partition import (
+    DEFAULT_CAPACITY_FRACTION,
+    PUT_MODES,
+    Partition,
+    available_memory_bytes,
+    checked_enums,
+)
 from tq_plugin.data_plane.backends._validate import (
-    Prepared,
-    check_token_alignment,
     checked_tags,
     copy_tag,
     field_items,
@@ -35,66 +37,16 @@ from tq_plugin.data_plane.backends._validate import (
     prepare,
     str_list,
 )
+from tq_plugin.data_plane.backends._writes import WritePath
 from tq_plugin.data_plane.client import (
-    CapacityError,
     DataPlaneClosedError,
     DataPlaneCorruptionError,
     FieldsLike,
 )
 from tq_plugin.data_plane.meta import KVBatchMeta
 
-PUT_MODES = ("upsert", "insert", "update")
-# The default capacity: this share of the memory available when the store is created. Buffers
-# keep geometric headroom (up to 2x live), so this keeps a full store under what is available.
-DEFAULT_CAPACITY_FRACTION = 0.4
 
-
-def available_memory_bytes() -> int:
-    """``MemAvailable`` from /proc/meminfo, else the physical memory size."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
-
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-@dataclass
-class _Partition:
-    partition_id: str
-    declared: set[str]
-    jagged: set[str]
-    num_samples: int | None = None
-    consumer_tasks: tuple[str, ...] = ()
-    grpo_group_size: int | None = None
-    enums: dict[str, list[str]] = field(default_factory=dict)
-    slot_of: dict[str, int] = field(default_factory=dict)
-    free_slots: list[int] = field(default_factory=list)
-    next_slot: int = 0
-    columns: dict[str, DenseColumn | JaggedColumn] = field(default_factory=dict)
-    tags: dict[str, dict[str, Any]] = field(default_factory=dict)
-    # first-put order per slot (a numpy array: no per-row Python work on puts)
-    arrival: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    consumed: dict[str, set[str]] = field(default_factory=dict)  # task -> claimed live ids
-    # task -> live ids it has not claimed, in first-put order (dicts keep insertion order), so
-    # a claim looks at the rows it hands out, not at every row of the partition.
-    pending: dict[str, dict[str, None]] = field(default_factory=dict)
-    # One-row puts of a known row layout wait here, packed, until a read (or a full buffer)
-    # writes them into the columns in one batch: (slot, plan, packed bytes of the row).
-    buffered: list[tuple[int, RowPlan, bytes]] = field(default_factory=list)
-    plans: dict[tuple, RowPlan] = field(default_factory=dict)
-    epoch: int = 0  # bumped whenever a column or the schema changes; plans of older epochs lapse
-
-    @property
-    def live_bytes(self) -> int:
-        return sum(c.live_bytes for c in self.columns.values())
-
-
-class LocalDataPlane(RowBuffer, TaskCursors):
+class LocalDataPlane(WritePath, RowBuffer, TaskCursors):
     """Embedded keyed columnar store (implements ``DataPlaneClient``).
 
     Partitions must be registered before use. ``fields`` declares the names producers may write
@@ -122,7 +74,7 @@ class LocalDataPlane(RowBuffer, TaskCursors):
         self._lock = threading.RLock()
         self._produced = threading.Condition(self._lock)  # notified by every put
         self._arrivals = 0
-        self._partitions: dict[str, _Partition] = {}
+        self._partitions: dict[str, Partition] = {}
         self._closed = False
         self._live_bytes = 0
         self._peak_bytes = 0
@@ -132,7 +84,7 @@ class LocalDataPlane(RowBuffer, TaskCursors):
         if self._closed:
             raise DataPlaneClosedError("LocalDataPlane is closed; create a new client")
 
-    def _partition(self, partition_id: str, *, flush: bool = True) -> _Partition:
+    def _partition(self, partition_id: str, *, flush: bool = True) -> Partition:
         """The partition (with its buffered one-row puts written, unless ``flush=False``)."""
         part = self._partitions.get(partition_id)
         if part is None:
@@ -189,7 +141,7 @@ class LocalDataPlane(RowBuffer, TaskCursors):
         tasks = None if consumer_tasks is None else str_list(consumer_tasks, where, "consumer_tasks")
         num_samples = optional_count(num_samples, where, "num_samples")
         grpo_group_size = optional_count(grpo_group_size, where, "grpo_group_size")
-        vocab = _checked_enums(enums, where)
+        vocab = checked_enums(enums, where)
         with self._lock:
             self._require_open()
             part = self._partitions.get(partition_id)
@@ -227,7 +179,7 @@ class LocalDataPlane(RowBuffer, TaskCursors):
                     f"{where}: num_samples={limit} is not a multiple of grpo_group_size={group}"
                 )
             if part is None:
-                part = _Partition(partition_id=partition_id, declared=set(), jagged=set())
+                part = Partition(partition_id=partition_id, declared=set(), jagged=set())
                 self._partitions[partition_id] = part
             part.declared = declared
             part.jagged.update(jagged)
@@ -291,118 +243,6 @@ class LocalDataPlane(RowBuffer, TaskCursors):
             sequence_lengths=lengths_from(items),
             tags=None if tag_rows is None else [copy_tag(t) for t in tag_rows],
         )
-
-    def _apply(
-        self,
-        part: _Partition,
-        ids: list[str],
-        prepared: list[Prepared],
-        tag_rows: list[dict[str, Any]] | None,
-        mode: str,
-    ) -> None:
-        """Check the put against what the partition holds, reserve, then write (under the lock)."""
-        found = list(map(part.slot_of.get, ids))
-        new = [] if None not in found else [s for s, x in zip(ids, found) if x is None]
-        if mode == "insert" and len(new) != len(ids):
-            held = [s for s, x in zip(ids, found) if x is not None]
-            raise ValueError(
-                f"put_samples(mode='insert'): {len(held)} sample_ids already exist in partition "
-                f"{part.partition_id!r}: {name_some(held)}"
-            )
-        if mode == "update" and new:
-            raise KeyError(
-                f"put_samples(mode='update'): {len(new)} sample_ids were never written to "
-                f"partition {part.partition_id!r}: {name_some(new)}"
-            )
-        if part.num_samples is not None and len(part.slot_of) + len(new) > part.num_samples:
-            raise CapacityError(
-                f"put_samples: partition {part.partition_id!r} holds {len(part.slot_of)} rows; "
-                f"{len(new)} more would pass its num_samples={part.num_samples}"
-            )
-        incoming = sum(p.block.numel() * p.block.element_size() for p in prepared)
-        if self._live_bytes + incoming > self.capacity_bytes:
-            raise CapacityError(
-                f"put_samples: {incoming} bytes for partition {part.partition_id!r} would take "
-                f"the store past capacity_bytes={self.capacity_bytes} ({self._live_bytes} held); "
-                "clear consumed rows or raise capacity_bytes"
-            )
-        check_token_alignment(part, ids, found, prepared)
-        # Slots for new ids, planned without touching the partition yet.
-        reuse = min(len(new), len(part.free_slots))
-        new_slots = [*part.free_slots[len(part.free_slots) - reuse :],
-                     *range(part.next_slot, part.next_slot + len(new) - reuse)]
-        if new:
-            planned = dict(zip(new, new_slots))
-            slots = np.array([planned[s] if x is None else x for s, x in zip(ids, found)], dtype=np.int64)
-        else:
-            slots = np.array(found, dtype=np.int64)
-        need = int(slots.max()) + 1
-        # Reserve: every allocation of the put happens here, and none changes visible rows.
-        targets, grew = self._reserve(part, prepared, need)
-        arrival = part.arrival
-        if new and need > arrival.shape[0]:
-            arrival = np.zeros(max(need, 2 * arrival.shape[0]), dtype=np.int64)
-            arrival[: part.arrival.shape[0]] = part.arrival
-        # Write: nothing below allocates more than bookkeeping, so it cannot fail part-way.
-        if new:
-            del part.free_slots[len(part.free_slots) - reuse :]
-            part.next_slot += len(new) - reuse
-            self._admit(part, new, new_slots, arrival)
-        self._live_bytes += self._write(part, prepared, targets, slots)
-        if tag_rows is not None:
-            for sid, t in zip(ids, tag_rows):
-                part.tags.setdefault(sid, {}).update(t)
-        if grew:  # reserved bytes only rise when a buffer is reallocated
-            self._peak_bytes = max(self._peak_bytes, self._reserved_bytes())
-        self._produced.notify_all()
-
-    def _reserve(
-        self, part: _Partition, prepared: list[Prepared], need: int
-    ) -> tuple[list[Any], bool]:
-        """Every column the write needs, with room for it (may allocate; changes no row)."""
-        grew = False
-        targets: list[Any] = []
-        for p in prepared:
-            col = part.columns.get(p.name)
-            if p.promote:
-                col = col.to_jagged()  # type: ignore[union-attr]
-            elif col is None or col.spec != p.spec:  # no live rows (checked in prepare)
-                col = self._new_column(p.spec)
-            grew = col.reserve(need, p.block.shape[0] if p.spec.jagged else 0) or grew
-            targets.append(col)
-        return targets, grew
-
-    def _admit(self, part: _Partition, new: list[str], slots: list[int], arrival: np.ndarray) -> None:
-        """Make ``new`` ids rows of the partition at ``slots`` (first-put order, claim queues)."""
-        part.slot_of.update(zip(new, slots))
-        part.arrival = arrival
-        arrival[slots] = np.arange(self._arrivals, self._arrivals + len(new))
-        self._arrivals += len(new)
-        for pending in part.pending.values():
-            pending.update(dict.fromkeys(new))
-
-    @staticmethod
-    def _write(part: _Partition, prepared: list[Prepared], targets: list[Any], slots: np.ndarray) -> int:
-        """Write reserved columns (allocates nothing); returns the change in live bytes."""
-        delta = 0
-        for p, col in zip(prepared, targets):
-            if part.columns.get(p.name) is not col:
-                part.columns[p.name] = col
-                part.epoch += 1
-            if p.spec.jagged:
-                delta += col.write(slots, p.block, p.lengths)
-            else:
-                delta += col.write(slots, p.block)
-        return delta
-
-    def _new_column(self, spec: ColumnSpec) -> Any:
-        """The column a field with no live rows gets (a hook for stores that keep bytes elsewhere).
-
-        A column offers ``reserve(need_slots, extra_values) -> bool`` (may allocate, never
-        changes what it holds), ``write(slots, block[, lengths]) -> live-bytes delta`` (allocates
-        nothing), ``drop``, ``release``, ``has``, ``read``, ``to_jagged`` and byte counts.
-        """
-        return JaggedColumn(spec) if spec.jagged else DenseColumn(spec)
 
     # ------------------------------------------------------------------ reads
     def get_samples(
@@ -584,13 +424,3 @@ class LocalDataPlane(RowBuffer, TaskCursors):
 
         return load_store(path)
 
-
-def _checked_enums(enums: Any, where: str) -> dict[str, list[str]]:
-    if enums is None:
-        return {}
-    if not isinstance(enums, Mapping):
-        raise TypeError(f"{where}: enums must map field names to lists of strings, got {type(enums).__name__}")
-    return {
-        str_list([name], where, "enums keys")[0]: str_list(vocab, where, f"enums[{name!r}]")
-        for name, vocab in copy.deepcopy(dict(enums)).items()
-    }

@@ -1,0 +1,79 @@
+"""The embedded store's per-partition state, and its defaults.
+
+A ``Partition`` holds its schema (declared and jagged field names, row limit, consumer tasks),
+the id -> slot map with its free list, one column per field, tags, first-put order and each
+consumer task's queue of unclaimed rows, plus the one-row write buffer (``_buffer``).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tq_plugin.data_plane.backends._buffer import RowPlan
+from tq_plugin.data_plane.backends._columns import DenseColumn, JaggedColumn
+from tq_plugin.data_plane.backends._validate import str_list
+
+PUT_MODES = ("upsert", "insert", "update")
+# The default capacity: this share of the memory available when the store is created. Buffers
+# keep geometric headroom (up to 2x live), so this keeps a full store under what is available.
+DEFAULT_CAPACITY_FRACTION = 0.4
+
+
+def available_memory_bytes() -> int:
+    """``MemAvailable`` from /proc/meminfo, else the physical memory size."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass
+class Partition:
+    partition_id: str
+    declared: set[str]
+    jagged: set[str]
+    num_samples: int | None = None
+    consumer_tasks: tuple[str, ...] = ()
+    grpo_group_size: int | None = None
+    enums: dict[str, list[str]] = field(default_factory=dict)
+    slot_of: dict[str, int] = field(default_factory=dict)
+    free_slots: list[int] = field(default_factory=list)
+    next_slot: int = 0
+    columns: dict[str, DenseColumn | JaggedColumn] = field(default_factory=dict)
+    tags: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # first-put order per slot (a numpy array: no per-row Python work on puts)
+    arrival: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    consumed: dict[str, set[str]] = field(default_factory=dict)  # task -> claimed live ids
+    # task -> live ids it has not claimed, in first-put order (dicts keep insertion order), so
+    # a claim looks at the rows it hands out, not at every row of the partition.
+    pending: dict[str, dict[str, None]] = field(default_factory=dict)
+    # One-row puts of a known row layout wait here, packed, until a read (or a full buffer)
+    # writes them into the columns in one batch: (slot, plan, packed bytes of the row).
+    buffered: list[tuple[int, RowPlan, bytes]] = field(default_factory=list)
+    plans: dict[tuple, RowPlan] = field(default_factory=dict)
+    epoch: int = 0  # bumped whenever a column or the schema changes; plans of older epochs lapse
+
+    @property
+    def live_bytes(self) -> int:
+        return sum(c.live_bytes for c in self.columns.values())
+
+
+def checked_enums(enums: Any, where: str) -> dict[str, list[str]]:
+    if enums is None:
+        return {}
+    if not isinstance(enums, Mapping):
+        raise TypeError(f"{where}: enums must map field names to lists of strings, got {type(enums).__name__}")
+    return {
+        str_list([name], where, "enums keys")[0]: str_list(vocab, where, f"enums[{name!r}]")
+        for name, vocab in copy.deepcopy(dict(enums)).items()
+    }
