@@ -44,6 +44,6 @@ def test_report_gives_mean_and_std_per_setting(tmp_path):
     assert packed["reward_last_avg_mean"] == pytest.approx(0.5)
     assert packed["reward_last_avg_std"] == pytest.approx(0.1414, abs=1e-3)
     assert packed["tokens_per_s_mean"] == pytest.approx(150.0)
-    assert "± " in (tmp_path / "comparison.md").read_text()
+    assert "± " in (tmp_path / "comparison_by_setting.md").read_text()
     assert (tmp_path / "comparison_by_setting.csv").exists()
     assert (tmp_path / "comparison.png").stat().st_size > 0

@@ -1,8 +1,11 @@
 """Hydra callback: after a multirun, compare the jobs in the sweep dir.
 
-Writes ``comparison.csv``, ``comparison.md`` and ``comparison.png`` (tokens/s, padded-token
-fraction, peak memory and final reward per job). Every job directory is listed: a job that
-failed appears with its error, one that left no result at all appears as ``missing``.
+Writes ``comparison.csv`` / ``comparison.md`` (one row per job) and
+``comparison_by_setting.csv`` / ``comparison_by_setting.md`` / ``comparison.png`` (one row and one
+bar per setting: mean ± std over seeds of tokens/s, padded-token fraction, peak memory and final
+reward; jobs that are the same run, e.g. ``tq/packing=none`` at two token budgets, count as one
+setting). Every job directory is listed: a job that failed appears with its error, one that left
+no result at all appears as ``missing``.
 Imports stay light (no torch): Hydra builds callbacks before any job runs.
 """
 
@@ -112,14 +115,15 @@ def write_report(sweep_dir: Path) -> dict[str, Any]:
     if failed:
         lines += ["", "Failed jobs:"]
         lines += [f"- `{r['job']}`: {r.get('error')}" for r in failed]
+    (sweep_dir / "comparison.md").write_text("\n".join(lines) + "\n")
     settings = aggregate(rows)
-    lines += ["", "Per setting (mean ± std over seeds and duplicate jobs):", "",
-              "| setting | ok/jobs | " + " | ".join(AGGREGATED) + " |",
-              "|---|---|" + "---|" * len(AGGREGATED)]
+    table = ["Per setting (mean ± std over seeds and jobs that are the same run):", "",
+             "| setting | ok/jobs | " + " | ".join(AGGREGATED) + " |",
+             "|---|---|" + "---|" * len(AGGREGATED)]
     for e in settings:
         cells = [f"{_fmt(e[f'{k}_mean'])} ± {_fmt(e[f'{k}_std'])}" for k in AGGREGATED]
-        lines.append(f"| {e['setting']} | {e['ok']}/{e['jobs']} | " + " | ".join(cells) + " |")
-    (sweep_dir / "comparison.md").write_text("\n".join(lines) + "\n")
+        table.append(f"| {e['setting']} | {e['ok']}/{e['jobs']} | " + " | ".join(cells) + " |")
+    (sweep_dir / "comparison_by_setting.md").write_text("\n".join(table) + "\n")
     with open(sweep_dir / "comparison_by_setting.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(settings[0]) if settings else ["setting"])
         writer.writeheader()
@@ -169,6 +173,7 @@ class SweepReport(Callback):
         LAST_REPORT.update(report)
         log.info("sweep comparison: %s", sweep_dir / "comparison.md")
         print((sweep_dir / "comparison.md").read_text(), flush=True)
+        print((sweep_dir / "comparison_by_setting.md").read_text(), flush=True)
         if report["failed"]:
             log.error("%d of %d sweep jobs failed (see comparison.md)", report["failed"],
                       len(report["rows"]))
