@@ -7,6 +7,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 
 def median_seconds(fn: Callable[[], object], *, runs: int = 7, warmup: int = 2) -> float:
@@ -18,6 +19,48 @@ def median_seconds(fn: Callable[[], object], *, runs: int = 7, warmup: int = 2) 
         fn()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+class Stat(NamedTuple):
+    """min / median / max of repeated measurements (seconds, or any figure)."""
+
+    min: float
+    median: float
+    max: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Stat:
+        return cls(min(values), statistics.median(values), max(values))
+
+    def map(self, fn: Callable[[float], float]) -> Stat:
+        """Apply ``fn`` to each figure, keeping min <= median <= max (e.g. seconds -> rate)."""
+        a, b, c = fn(self.min), fn(self.median), fn(self.max)
+        return Stat(min(a, c), b, max(a, c))
+
+    def fmt(self, spec: str = ",.0f", unit: str = "") -> str:
+        """``median (min–max)``."""
+        return f"{self.median:{spec}}{unit} ({self.min:{spec}}–{self.max:{spec}})"
+
+
+def interleaved(fns: dict[str, Callable[[], object]], *, runs: int = 9, warmup: int = 1) -> dict[str, list[float]]:
+    """Seconds of each ``fn`` per run, taking turns (A, B, A, B, ...) so that whatever else the
+    machine does falls on every contender alike. Results of a call are dropped before the next."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(runs):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            out = fn()
+            times[name].append(time.perf_counter() - t)
+            del out
+    return times
+
+
+def ratios(numerator: list[float], denominator: list[float]) -> Stat:
+    """Per-run ratios of two interleaved series (run i against run i)."""
+    return Stat.of([a / b for a, b in zip(numerator, denominator)])
 
 
 def machine() -> str:
