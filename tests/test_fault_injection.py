@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import logging
 import random
 from collections import Counter
@@ -53,7 +54,7 @@ from tq_plugin.staging import (
     make_staged_chain,
     register_staging_partition,
 )
-from tq_plugin.staging.reassembler import REASSEMBLED_FIELDS
+from tq_plugin.staging.reassembler import REASSEMBLED_FIELDS, REASSEMBLED_MEDIA_FIELDS
 
 SCHEDULES = 1000
 MAX_ATTEMPTS = 20  # a schedule injects at most 6 faults, so 7 attempts always suffice
@@ -214,24 +215,75 @@ IMPOSTORS = {
 }
 
 
-def _expected_row(records: list[Any]) -> dict[str, list[float]]:
+def _still(index: int) -> dict[str, torch.Tensor]:
+    """A deterministic still image (2x2 patches of 2x2 pixels) for rollout ``index``."""
+    pixels = torch.randn(1, 4, 12, generator=torch.Generator().manual_seed(index))
     return {
-        INPUT_IDS: [t for r in records for t in r.token_ids_delta],
-        "token_mask": [m for r in records for m in r.token_mask_delta],
-        "generation_logprobs": [
-            float(torch.tensor(x, dtype=torch.float32))
-            for r in records
-            for x in r.generation_log_probs_delta
-        ],
+        "imgs": pixels.to(torch.bfloat16),
+        "imgs_sizes": torch.tensor([[4, 4]], dtype=torch.int32),
     }
 
 
-def _stage(sink, store, rec, acked, figures, *, must_fail=False) -> None:
+def _setup(client: Any, store: LocalDataPlane, media: bool) -> tuple[TQTokenSink, Any]:
+    register_staging_partition(store, STAGING, capture_media=media)
+    store.register_partition(
+        partition_id=TRAIN, fields=[*REASSEMBLED_FIELDS, *REASSEMBLED_MEDIA_FIELDS]
+    )
+    sink = TQTokenSink(
+        client,
+        staging_partition=STAGING,
+        capture_media=media,
+        media_pixel_dtype=torch.bfloat16 if media else None,
+    )
+    return sink, (lambda i, n: _still(i) if media and n == 0 else None)
+
+
+REFERENCE: dict[tuple[Any, ...], tuple[Any, dict[str, Any]]] = {}
+
+
+def _fault_free(picked: list[int], missing: set[str], media: bool) -> tuple[Any, dict[str, Any]]:
+    """The same scenario on a healthy store: its meta and training rows (cached)."""
+    key = (tuple(picked), frozenset(missing), media)
+    if key not in REFERENCE:
+        store = LocalDataPlane()
+        sink, attach = _setup(store, store, media)
+        for i in picked:
+            for n, rec in enumerate(POOL[i]):
+                if not (rec.rollout_id in missing and n == len(POOL[i]) - 1):
+                    assert sink.stage(rec, **_kw(attach(i, n))).ok
+        reassembler = RolloutReassembler(store, staging_partition=STAGING, capture_media=media)
+        meta = reassembler.finalize_group(
+            [make_rollout_receipt(POOL[i], reward=float(i)) for i in picked], partition_id=TRAIN
+        )
+        REFERENCE[key] = (meta, _rows(store, meta))
+    return REFERENCE[key]
+
+
+def _kw(attachments: Any) -> dict[str, Any]:
+    return {} if attachments is None else {"attachments": attachments}
+
+
+def _rows(store: LocalDataPlane, meta: Any) -> dict[str, Any]:
+    td = store.get_samples(
+        sample_ids=meta.sample_ids, partition_id=TRAIN, select_fields=list(meta.fields)
+    )
+    return {name: _split(td[name]) for name in meta.fields}
+
+
+def _split(column: torch.Tensor) -> list[torch.Tensor]:
+    """A column's rows (a jagged column split by its offsets, not indexed row by row)."""
+    if not column.is_nested:
+        return list(column.unbind(0))
+    bounds, values = column.offsets().tolist(), column.values()
+    return [values[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def _stage(sink, store, rec, acked, figures, kw, *, must_fail=False) -> None:
     """Stage ``rec`` until acknowledged (or, for an impostor, check every attempt is refused)."""
     client = sink.store.dp_client
     for _ in range(MAX_ATTEMPTS):
         mark = len(client.log)
-        result = sink.stage(rec)
+        result = sink.stage(rec, **kw)
         faults = client.log[mark:]
         if any(op == "put_samples" for op, _ in faults):
             figures["stage calls hit by a put fault"] += 1
@@ -259,15 +311,12 @@ def _stage(sink, store, rec, acked, figures, *, must_fail=False) -> None:
     raise AssertionError(f"stage of {rec.staging_key} did not converge")
 
 
-def _staging_schedule(
-    seed: int, figures: Counter[str], injected: Counter, reference: dict[str, Any]
-) -> None:
+def _staging_schedule(seed: int, figures: Counter[str], injected: Counter) -> None:
     rng = random.Random(seed)
     store = LocalDataPlane()
-    register_staging_partition(store, STAGING)
-    store.register_partition(partition_id=TRAIN, fields=list(REASSEMBLED_FIELDS))
     client = faulty(store, rng)
-    sink = TQTokenSink(client, staging_partition=STAGING)
+    media = rng.random() < 0.25
+    sink, attach = _setup(client, store, media)
     picked = rng.sample(range(len(POOL)), rng.randint(1, 2))
     acked: dict[str, Any] = {}
     missing: set[str] = set()
@@ -277,16 +326,20 @@ def _staging_schedule(
             if n and n == len(records) - 1 and rng.random() < 0.1:
                 missing.add(rec.rollout_id)  # never staged: a real fetch_failed placeholder
                 continue
-            _stage(sink, store, rec, acked, figures)
+            kw = _kw(attach(index, n))
+            _stage(sink, store, rec, acked, figures, kw)
             if rng.random() < 0.3:
-                _stage(sink, store, rec, acked, figures)  # an idempotent re-stage
+                _stage(sink, store, rec, acked, figures, kw)  # an idempotent re-stage
                 figures["idempotent re-stages"] += 1
             if n == 0 and rng.random() < 0.3:
-                _stage(sink, store, IMPOSTORS[rec.staging_key], acked, figures, must_fail=True)
+                impostor = IMPOSTORS[rec.staging_key]
+                _stage(sink, store, impostor, acked, figures, kw, must_fail=True)
                 figures["impostor re-stages refused"] += 1
     assert set(store.list_sample_ids(partition_id=STAGING)) == set(acked), "stray staged rows"
 
-    source = TQTokenSource(client, staging_partition=STAGING, snapshot_cls=StagedCallBaseSnapshot)
+    source = TQTokenSource(
+        client, staging_partition=STAGING, capture_media=media, snapshot_cls=StagedCallBaseSnapshot
+    )
     keys = list(acked)
     rng.shuffle(keys)
     got = until_done(lambda: source.fetch(keys), figures, "fetch")
@@ -295,25 +348,25 @@ def _staging_schedule(
 
     clear = rng.random() < 0.5
     receipts = [make_rollout_receipt(POOL[i], reward=float(i)) for i in picked]
-    reassembler = RolloutReassembler(client, staging_partition=STAGING, clear_staged=clear)
+    reassembler = RolloutReassembler(
+        client, staging_partition=STAGING, capture_media=media, clear_staged=clear
+    )
     meta = until_done(
         lambda: reassembler.finalize_group(receipts, partition_id=TRAIN), figures, "finalize_group"
     )
     injected.update(client.injected)
-    want_status = ["fetch_failed" if POOL[i][0].rollout_id in missing else "ok" for i in picked]
-    assert [t[STATUS_TAG] for t in meta.tags] == want_status
-    assert meta.fields == reference["fields"]
-    td = store.get_samples(
-        sample_ids=meta.sample_ids, partition_id=TRAIN, select_fields=list(REASSEMBLED_FIELDS)
+    want_meta, want_rows = _fault_free(picked, missing, media)
+    assert [t[STATUS_TAG] for t in meta.tags] == [t[STATUS_TAG] for t in want_meta.tags]
+    assert (meta.sample_ids, meta.fields, meta.sequence_lengths) == (
+        want_meta.sample_ids,
+        want_meta.fields,
+        want_meta.sequence_lengths,
     )
-    for row, i, status in zip(range(len(picked)), picked, want_status):
-        if status != "ok":
-            assert td[SAMPLE_MASK][row].item() == 0.0
-            continue
-        for name, values in _expected_row(POOL[i]).items():
-            assert td[name][row].tolist() == values, (seed, name)
-        assert meta.sequence_lengths[row] == len(_expected_row(POOL[i])[INPUT_IDS])
-    figures["finalize_group runs matching the fault-free rows"] += 1
+    for name, rows in _rows(store, meta).items():
+        for row, want in zip(rows, want_rows[name]):
+            assert row.dtype == want.dtype and torch.equal(row, want), (seed, name)
+    figures["finalize_group runs equal to the fault-free run (meta and every column)"] += 1
+    figures["finalize_group runs on a media partition"] += media
     figures["rollouts finalized"] += len(picked)
     left = set(store.list_sample_ids(partition_id=STAGING))
     if clear:
@@ -321,18 +374,6 @@ def _staging_schedule(
         figures["finalize_group runs with clear_staged (staging emptied)"] += 1
     else:
         assert left == set(acked)
-
-
-def _fault_free_fields() -> list[str]:
-    store = LocalDataPlane()
-    register_staging_partition(store, STAGING)
-    store.register_partition(partition_id=TRAIN, fields=list(REASSEMBLED_FIELDS))
-    sink = TQTokenSink(store, staging_partition=STAGING)
-    assert all(sink.stage(r).ok for r in POOL[0])
-    meta = RolloutReassembler(store, staging_partition=STAGING).finalize_group(
-        [make_rollout_receipt(POOL[0], reward=0.0)], partition_id=TRAIN
-    )
-    return list(meta.fields)
 
 
 def _report(title: str, figures: Counter[str], injected: Counter[tuple[str, str]]) -> None:
@@ -349,10 +390,9 @@ def _report(title: str, figures: Counter[str], injected: Counter[tuple[str, str]
 def test_token_staging_under_randomized_faults() -> None:
     figures: Counter[str] = Counter()
     injected: Counter[tuple[str, str]] = Counter()
-    reference = {"fields": _fault_free_fields()}
     try:
         for seed in range(SCHEDULES):
-            _staging_schedule(seed, figures, injected, reference)
+            _staging_schedule(seed, figures, injected)
             figures["schedules run"] += 1
     finally:
         _report("token staging: sink, source, reassembler", figures, injected)

@@ -73,7 +73,12 @@ from tq_plugin.staging.records import (
     staging_key,
 )
 from tq_plugin.staging.sink import TQTokenSink
-from tq_plugin.staging.source import FetchedStagedCall, RouteFragment, TQTokenSource
+from tq_plugin.staging.source import (
+    FetchedStagedCall,
+    RouteFragment,
+    StagingReadError,
+    TQTokenSource,
+)
 from tq_plugin.staging.store import (
     STAGING_FIELDS,
     TQStagingStore,
@@ -122,6 +127,7 @@ __all__ = [
     "StagedCallSnapshot",
     "StagedMediaTensors",
     "StagingSink",
+    "StagingReadError",
     "StagingSource",
     "TQStagingStore",
     "TQTokenSink",
