@@ -126,6 +126,12 @@ class RolloutReassembler:
         Sample ids default to each receipt's ``rollout_id``. Row tags carry ``rollout_id``
         and ``staging_status`` (``"ok"`` or the reason code of the placeholder). The reward
         goes to ``reward_field`` (0.0 on placeholders; None writes no reward column).
+
+        Retry-safe: rows tag what they were finalized from, so a retry after the write
+        landed (the clear or the reply failed) returns the rows as written and only redoes
+        the clear. A read whose outcome is unknown (``StagingReadError``: a transport fault,
+        a short result) raises instead of becoming a ``fetch_failed`` placeholder; only a row
+        the store reports missing, or one that does not verify, becomes a placeholder.
         """
         receipts = list(receipts)
         if not receipts:
