@@ -149,19 +149,23 @@ class RowBuffer:
         return RowPlan(part.epoch, tuple(fields), start, tuple(order))
 
     def _flush(self, part: Any) -> None:
-        """Write the partition's buffered rows into its columns, a run of one plan at a time.
+        """Write the partition's buffered rows into its columns, one write per row layout.
 
-        An allocation failure leaves the rows buffered (acknowledged, never dropped) and raises.
+        Rows of one layout go together whatever their order (each buffered id is new and
+        appears once, so order between layouts cannot matter). An allocation failure leaves
+        the rows not yet written buffered (acknowledged, never dropped) and raises.
         """
-        rows = part.buffered
-        while rows:
-            plan = rows[0][1]
-            k = next((i for i, r in enumerate(rows) if r[1] is not plan), len(rows))
-            run = rows[:k]
+        groups: dict[int, list[tuple[int, RowPlan, bytes]]] = {}
+        for row in part.buffered:
+            groups.setdefault(id(row[1]), []).append(row)
+        for run in groups.values():
+            plan = run[0][1]
+            k = len(run)
             slots = np.fromiter((r[0] for r in run), dtype=np.int64, count=k)
             prepared = plan.unpack([r[2] for r in run])
             targets, grew = self._reserve(part, prepared, int(slots.max()) + 1)
             self._live_bytes += self._write(part, prepared, targets, slots) - k * plan.nbytes
-            del rows[:k]
+            written = {id(r) for r in run}
+            part.buffered = [r for r in part.buffered if id(r) not in written]
             if grew:
                 self._peak_bytes = max(self._peak_bytes, self._reserved_bytes())
