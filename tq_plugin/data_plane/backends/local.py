@@ -28,6 +28,7 @@ from tq_plugin.data_plane.backends._partition import (
     checked_enums,
 )
 from tq_plugin.data_plane.backends._validate import (
+    batch_of,
     checked_tags,
     copy_tag,
     field_items,
@@ -302,7 +303,7 @@ class LocalDataPlane(WritePath, RowBuffer, TaskCursors):
                     out[name] = torch.nested.nested_tensor_from_jagged(values, offsets)
                 else:
                     out[name] = col.read(slots)  # type: ignore[assignment]
-        return TensorDict(out, batch_size=[len(ids)])
+        return batch_of(out, len(ids))
 
     def get_tags(self, sample_ids: Sequence[str], partition_id: str) -> list[dict[str, Any]]:
         """A copy of the tags stored for each id (empty dict when none), in request order."""
