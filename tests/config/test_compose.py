@@ -137,6 +137,8 @@ def test_option_composes_validates_and_instantiates(compose_train, tmp_path, gro
 
         built = instantiate_callbacks(cfg.get("callbacks"))
         assert [type(c) for c in built] == ([StepProgressBar] if option == "default" else [])
+        # trainer.enable_progress_bar=false: Lightning refuses a progress-bar callback.
+        assert instantiate_callbacks(cfg.get("callbacks"), progress_bar=False) == []
 
 
 @pytest.mark.parametrize("config_name", ["train", "ppo", "grpo"])

@@ -32,9 +32,20 @@ def _instantiate_all(cfg: Mapping[str, Any] | None, kind: type, group: str) -> l
     return built
 
 
-def instantiate_callbacks(cfg: Mapping[str, Any] | None) -> list[Callback]:
-    """The ``callbacks`` group's entries, instantiated, in config order."""
-    return _instantiate_all(cfg, Callback, "callbacks")
+def instantiate_callbacks(
+    cfg: Mapping[str, Any] | None, *, progress_bar: bool = True
+) -> list[Callback]:
+    """The ``callbacks`` group's entries, instantiated, in config order.
+
+    ``progress_bar=False`` (pass the trainer's ``enable_progress_bar``) leaves progress bars out:
+    Lightning refuses a progress-bar callback when the bar is disabled.
+    """
+    built = _instantiate_all(cfg, Callback, "callbacks")
+    if progress_bar:
+        return built
+    from lightning.pytorch.callbacks import ProgressBar
+
+    return [c for c in built if not isinstance(c, ProgressBar)]
 
 
 def instantiate_loggers(cfg: Mapping[str, Any] | None) -> list[Logger]:
