@@ -13,6 +13,10 @@ Bulk bytes travel through Ray's object store, never through pickled actor argume
   objects zero-copy and gathers the rows itself;
 * clearing the last row of a block drops its reference, and Ray frees the shared memory.
 
+A put therefore writes the bytes to shared memory twice (the call's argument, then the block
+the actor owns). Holding the writer's own object instead would save one copy, but Ray frees an
+object when its owner exits, so rows a rollout worker wrote would vanish with it.
+
 Small blocks (under ``INLINE_BYTES``) stay in the actor as plain numpy copies: an object-store
 round trip costs more than copying them. The contract is ``LocalDataPlane``'s, checked by the
 same conformance suite. This is one of the two modules (with the TransferQueue adapter) that
