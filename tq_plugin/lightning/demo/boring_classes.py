@@ -47,7 +47,7 @@ def packing_setup(
     micro_batch_size: int | None = None,
     sequence_length_round: int = 1,
     sequence_length_pad_multiple: int = 1,
-    algorithm: str = "modified_first_fit_decreasing",
+    algorithm: str = PackingConfig.algorithm,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(cfg, host_attributes)`` for a ``TQDriverMixin`` host in one packing mode.
 
