@@ -43,18 +43,24 @@ def compose_ppo(*overrides: str):
         return compose("ppo", overrides=[*FAST, *overrides])
 
 
+def with_fast(*overrides: str) -> list[str]:
+    """FAST with ``overrides`` on top (Hydra refuses one key given twice)."""
+    keys = {o.split("=", 1)[0] for o in overrides}
+    return [o for o in FAST if o.split("=", 1)[0] not in keys] + list(overrides)
+
+
 def in_process(out: Path, *overrides: str) -> dict:
     """One run of the real entry point in this process; its result.json."""
     GlobalHydra.instance().clear()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(sys, "argv", ["tq-train", f"hydra.run.dir={out}", *FAST, *overrides])
+        mp.setattr(sys, "argv", ["tq-train", f"hydra.run.dir={out}", *with_fast(*overrides)])
         cli.main(config_name="ppo")
     return json.loads((out / "result.json").read_text())
 
 
 def subprocess_cmd(out: Path, *overrides: str) -> list[str]:
     return [sys.executable, "-m", "tq_plugin.cli", "--config-name", "ppo",
-            f"hydra.run.dir={out}", *FAST, *overrides]
+            f"hydra.run.dir={out}", *with_fast(*overrides)]
 
 
 def clean_env() -> dict[str, str]:
@@ -199,7 +205,9 @@ def _wait_for(path: Path, text: str, proc: subprocess.Popen, timeout: float) -> 
 @pytest.mark.timeout(300)
 def test_sigterm_checkpoints_and_exits_non_zero_and_ckpt_path_resumes(tmp_path):
     out = tmp_path / "stopped"
-    proc = subprocess.Popen(subprocess_cmd(out, "recipe.num_steps=200"), cwd=tmp_path,
+    # Two PPO epochs: the signal may land inside a step or at its end; both must resume.
+    proc = subprocess.Popen(subprocess_cmd(out, "recipe.num_steps=200", "recipe.ppo_epochs=2"),
+                            cwd=tmp_path,
                             env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:
@@ -221,7 +229,8 @@ def test_sigterm_checkpoints_and_exits_non_zero_and_ckpt_path_resumes(tmp_path):
 
     resumed = tmp_path / "resumed"
     target = completed + 2
-    summary = in_process(resumed, f"ckpt_path={ckpt}", f"recipe.num_steps={target}")
+    summary = in_process(resumed, f"ckpt_path={ckpt}", f"recipe.num_steps={target}",
+                         "recipe.ppo_epochs=2")
     assert summary["status"] == "ok" and summary["steps"] == target
     assert [int(r["step"]) for r in rows(resumed)] == list(range(target))
     # The finished steps' figures came back from the checkpoint unchanged.

@@ -117,8 +117,12 @@ class RLRecipe:
         self._setup_models()
         self._setup_trainer()
         self.metrics = MetricsLog(self.output_dir, packing=self.packing.mode)
-        self.module.step_hook = self.metrics.on_microbatch
+        self.module.step_hook = self._after_microbatch
         self.sink = self.reassembler = self.worker = None
+
+    def _after_microbatch(self, meta: KVBatchMeta, stats: dict[str, float]) -> None:
+        self.metrics.on_microbatch(meta, stats)
+        self.sigterm.stop_if_requested(self.module.trainer)
 
     def _setup_models(self) -> None:
         max_len = self.task.max_sequence_length(self.rc.max_new_tokens)
@@ -147,8 +151,8 @@ class RLRecipe:
             from lightning.pytorch.loggers import CSVLogger
 
             extra["logger"] = CSVLogger(str(self.output_dir), name="lightning_logs")
-        callbacks = [self.callback, self.step_callback,
-                     SigtermCheckpoint(self.sigterm_checkpoint)]
+        self.sigterm = SigtermStop(self.sigterm_checkpoint)
+        callbacks = [self.callback, self.step_callback, self.sigterm]
         self.trainer = instantiate(self.cfg.trainer, max_steps=max_steps,
                                    default_root_dir=str(self.output_dir),
                                    callbacks=callbacks, **extra)
@@ -250,7 +254,7 @@ class RLRecipe:
     def train(self) -> None:
         """Fit to ``recipe.num_steps``, from ``ckpt_path`` when the config names one.
 
-        SIGTERM (Lightning raises ``SIGTERMException`` after the batch in flight) saves
+        SIGTERM (``SigtermStop``: the ranks stop together after one microbatch) saves
         ``checkpoints/sigterm.ckpt`` and exits with status 143, never 0.
         """
         ckpt_path = self.cfg.get("ckpt_path")
@@ -267,19 +271,33 @@ class RLRecipe:
             return self.summary
         return json.loads((self.output_dir / RESULT_FILE).read_text())
 
-    def write_artifacts(self, trainer: Trainer) -> None:
-        """Reduce every rank's step metrics; rank 0 writes metrics.csv, result.json, the plot."""
+    def write_artifacts(self, trainer: Trainer, *, interrupted: bool = False) -> None:
+        """Reduce every rank's step metrics; rank 0 writes metrics.csv, result.json, the plot.
+
+        ``interrupted`` (SIGTERM, every rank at the same microbatch): the finished steps only,
+        ``status: interrupted``.
+        """
         total = self._dp_bytes()
-        self.metrics.finish(self.cfg, total, save=False)  # closes this rank's last step
-        per_rank = ranks.gather_objects((self.metrics.steps, total), trainer.world_size)
+        if interrupted:
+            steps = self.step_callback.finished_steps()
+        else:
+            self.metrics.finish(self.cfg, total, save=False)  # closes this rank's last step
+            steps = self.metrics.steps
+        per_rank = ranks.gather_objects((steps, total), trainer.world_size)
         if not trainer.is_global_zero:
             return
-        merged = ranks.merge_rank_steps([steps for steps, _ in per_rank])
+        merged = ranks.merge_rank_steps([rank_steps for rank_steps, _ in per_rank])
         self.metrics.steps = self.step_callback.restored + merged
-        self.summary = self.metrics.summary(sum(t for _, t in per_rank))
+        summary = self.metrics.summary(sum(t for _, t in per_rank))
+        if interrupted:
+            summary["status"] = "interrupted"
+        else:
+            self.summary = summary
         if self.rc.save_artifacts:
-            self.metrics.write(self.cfg, self.summary)
-            save_final_weights(self.output_dir, policy=self.module.policy, value=self.module.value)
+            self.metrics.write(self.cfg, summary)
+            if not interrupted:
+                save_final_weights(self.output_dir, policy=self.module.policy,
+                                   value=self.module.value)
 
     def _dp_bytes(self) -> int:
         counters = self.callback.client.snapshot() if self.callback.client is not None else None
@@ -293,7 +311,7 @@ class RLStepCallback(Callback):
       loss normalizer (divided by the world size: DDP averages gradients over ranks) and, at a
       step's first microbatch, start the step's metrics record.
     * ``on_train_end``: reduce the metrics over ranks; rank 0 writes the artifacts.
-    * ``on_exception`` (SIGTERM, one process): write the finished steps' artifacts.
+    * ``on_exception`` (SIGTERM): the finished steps' artifacts, reduced over ranks.
     * checkpoint state: the rollout generator (a resumed run never replays random draws it
       already used) and the finished steps' metrics, reduced over ranks, so the resumed run's
       artifacts cover every step.
@@ -335,14 +353,11 @@ class RLStepCallback(Callback):
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule,
                      exception: BaseException) -> None:
-        recipe = self.recipe
-        if (isinstance(exception, SIGTERMException) and trainer.world_size == 1
-                and recipe.rc.save_artifacts):
-            recipe.metrics.steps = self.restored + self._finished_steps()
-            summary = {**recipe.metrics.summary(recipe._dp_bytes()), "status": "interrupted"}
-            recipe.metrics.write(recipe.cfg, summary)
+        if isinstance(exception, SIGTERMException):  # raised on every rank at one microbatch
+            self.recipe.write_artifacts(trainer, interrupted=True)
 
-    def _finished_steps(self) -> list[_Step]:
+    def finished_steps(self) -> list[_Step]:
+        """This rank's records of the steps whose last microbatch has trained."""
         done = self.recipe.callback.completed_steps
         return [s for s in self.recipe.metrics.steps if s.step < done]
 
@@ -350,7 +365,7 @@ class RLStepCallback(Callback):
     def state_dict(self) -> dict[str, Any]:
         # Lightning asks every rank for its state before rank 0 writes the checkpoint.
         world = self.recipe.world_size
-        finished = ranks.gather_objects(self._finished_steps(), world)
+        finished = ranks.gather_objects(self.finished_steps(), world)
         steps = self.restored + ranks.merge_rank_steps(finished)
         return {"rng_state": self.recipe.generator.get_state(),
                 "steps": [dataclasses.asdict(s) for s in steps]}
@@ -361,17 +376,44 @@ class RLStepCallback(Callback):
         self.restored = [_Step(**s) for s in state_dict["steps"]]
 
 
-class SigtermCheckpoint(Callback):
-    """Saves a checkpoint when Lightning stops the fit on SIGTERM, as its ``OnExceptionCheckpoint``
-    does on any exception (that one is a ``Checkpoint``, which ``enable_checkpointing=false``
-    refuses). SIGTERM only: Lightning raises it on every rank at the same batch, so the save's
-    barrier is met, while another exception may stop one rank alone."""
+class SigtermStop(Callback):
+    """Stops the fit on SIGTERM after the same microbatch on every rank, with a checkpoint.
+
+    Lightning's own handler broadcasts from inside the signal handler, which under DDP can
+    interleave with the step's collectives and hang both ranks (observed with two CPU ranks).
+    This handler only sets a flag. After each microbatch the ranks agree on it (one all-reduce
+    max, in ``on_train_batch_end``); the recipe's step hook, the last thing the module runs for
+    the microbatch (after every callback has advanced its cursor and the metrics have booked
+    it), then calls :meth:`stop_if_requested`: save the checkpoint, raise ``SIGTERMException``.
+    At that point the checkpoint's resume cursor, the data plane's last step meta (Lightning
+    has prefetched the next microbatch) and the metrics all describe the same position.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.requested = False
+        self.stop = False
 
     @override
-    def on_exception(self, trainer: Trainer, pl_module: LightningModule,
-                     exception: BaseException) -> None:
-        if isinstance(exception, SIGTERMException):
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Replaces the handler Lightning registered for this fit; Lightning restores the
+        # process's own handler at teardown.
+        self.requested = self.stop = False
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        stop = self.requested
+        if trainer.world_size > 1:
+            flag = torch.tensor([int(stop)], device=trainer.strategy.root_device)
+            stop = bool(trainer.strategy.reduce(flag, reduce_op="max").item())
+        self.stop = stop
+
+    def stop_if_requested(self, trainer: Trainer) -> None:
+        if self.stop:
             trainer.save_checkpoint(self.path)
+            raise SIGTERMException
