@@ -467,14 +467,6 @@ def _column_io_schedule(seed: int, figures: Counter[str], injected: Counter) -> 
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="column_io: read_columns returns a short result as it came (a store answering N-1 "
-    "rows for N ids passes silently), and a first_write whose put landed (or stopped part-way) "
-    "before raising cannot be retried: the retry's insert finds its own rows and fails every "
-    "time; owner: column_io.py",
-)
 def test_column_io_under_randomized_faults() -> None:
     _run_suite("column I/O: first_write, write_columns, read_columns", _column_io_schedule)
 
@@ -532,12 +524,5 @@ def _callback_schedule(seed: int, figures: Counter[str], injected: Counter) -> N
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="DataPlaneCallback._advance moves the resume cursor past the step before "
-    "clear_samples runs; when the clear raises, the retried hook (or a resumed fit) skips it "
-    "and the step's rows are never cleared; owner: lightning/callback.py",
-)
 def test_lightning_callback_under_randomized_faults() -> None:
     _run_suite("Lightning DataPlaneCallback: write-back and step clear", _callback_schedule)

@@ -254,15 +254,20 @@ def first_write(
             raise TypeError(f"{where}: each tag must be a dict of primitives")
     lengths = _lengths_tensor(where, INPUT_LENGTHS, batch[INPUT_LENGTHS], n)
     columns = to_wire_columns(batch, lengths)
-    put_meta = call_dp(
-        client,
-        "put_samples",
-        sample_ids=ids,
-        partition_id=partition_id,
-        fields=columns,
-        tags=None if tags is None else [dict(t) for t in tags],
-        mode="upsert" if overwrite else "insert",
-    )
+    put = {
+        "sample_ids": ids,
+        "partition_id": partition_id,
+        "fields": columns,
+        "tags": None if tags is None else [dict(t) for t in tags],
+    }
+    try:
+        put_meta = call_dp(client, "put_samples", **put, mode="upsert" if overwrite else "insert")
+    except ValueError:
+        # A retry of a first_write whose put landed (whole, or field by field on a backend that
+        # is not atomic) before the caller saw an error finds its own rows: complete them.
+        if overwrite or not _rows_hold_this_write(client, ids, partition_id, columns):
+            raise
+        put_meta = call_dp(client, "put_samples", **put, mode="upsert")
     info = dict(extra_info or {})
     if pad_to_multiple > 1:
         info[PAD_TO_MULTIPLE] = pad_to_multiple
@@ -275,6 +280,42 @@ def first_write(
         extra_info=info,
         tags=put_meta.tags,
     )
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equal rows (NaN equal to itself), jagged or dense."""
+    if a.is_nested != b.is_nested or a.dtype != b.dtype:
+        return False
+    if a.is_nested:
+        if not torch.equal(_row_lengths(a).cpu(), _row_lengths(b).cpu()):
+            return False
+        a, b = a.values(), b.values()
+    if a.shape != b.shape:
+        return False
+    return torch.equal(_as_bytes(a), _as_bytes(b))
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _rows_hold_this_write(
+    client: Any, ids: list[str], partition_id: str, columns: Mapping[str, torch.Tensor]
+) -> bool:
+    """True when the rows ``ids`` already hold some of ``columns``, each exactly as given, and
+    nothing that differs: the trace of an earlier attempt of this same write."""
+    matched = 0
+    for name, value in columns.items():
+        try:
+            td = call_dp(
+                client, "get_samples", sample_ids=ids, partition_id=partition_id, select_fields=[name]
+            )
+        except KeyError:
+            continue  # this field did not land (for some row): the retry writes it
+        if name not in td.keys() or not _same_values(td[name], value):  # noqa: SIM118
+            return False
+        matched += 1
+    return matched > 0
 
 
 def _stored_lengths(client: Any, meta: KVBatchMeta, claimed: torch.Tensor | None) -> torch.Tensor:
@@ -468,7 +509,23 @@ def read_columns(
         partition_id=meta.partition_id,
         select_fields=list(select_fields),
     )
+    _check_whole_read("read_columns", td, meta.size, list(select_fields))
     return materialize(td, layout, pad_value_dict, pad_to)
+
+
+def _check_whole_read(where: str, td: Any, n: int, names: list[str]) -> None:
+    """``KeyError`` unless ``td`` holds every requested field with exactly ``n`` rows: a client
+    that answers fewer rows than it was asked for must never pass as a whole read."""
+    missing = [name for name in names if name not in td.keys()]  # noqa: SIM118
+    short = {
+        name: int(v.size(0)) for name in names if name not in missing
+        for v in (td[name],) if int(v.size(0)) != n
+    }
+    if missing or short:
+        raise KeyError(
+            f"{where}: the store answered a short read for {n} sample_ids: "
+            f"missing fields {missing}, fields with another row count {short}"
+        )
 
 
 def stamp_global_forward_pad_seqlen(meta: KVBatchMeta, *, sequence_length_round: int = 1) -> None:

@@ -139,6 +139,7 @@ class DataPlaneCallback(Callback):
         self._closed = True
         self._last = DataPlaneCounters()
         self._last_meta: KVBatchMeta | None = None
+        self._written: tuple[int, int] | None = None  # the microbatch whose write-back landed
         self._window: dict[str, float] = {}
         self._window_steps = 0
         self.completed_steps = 0
@@ -216,16 +217,19 @@ class DataPlaneCallback(Callback):
         meta = batch if isinstance(batch, KVBatchMeta) else getattr(host, "dp_meta", None)
         if meta is None or meta is self._last_meta:
             return  # not a data-plane batch (a stale dp_meta is never handled twice)
-        self._last_meta = meta
         info = meta.extra_info.get(MICROBATCH_INFO)
         position = None if info is None else (info["step"], self._index_in_step(info))
         if position is not None and position < self.resume_cursor():
             return  # already trained and written before a resume: never write it twice
         fields = outputs.get(self.write_back_key) if isinstance(outputs, Mapping) else None
-        if fields:
+        # The cursor moves only once the write-back and the step's clear have landed: a hook
+        # that raises part-way is retried (or resumed) from the start, and both are idempotent.
+        if fields and (position is None or position != self._written):
             self._write_back(host, meta, fields)
+            self._written = position  # a retry after a failed clear must not write cleared rows
         if info is not None:
             self._advance(host, meta, info)
+        self._last_meta = meta
         if self.log_metrics:
             self._log(trainer, pl_module, host)
 
@@ -249,11 +253,11 @@ class DataPlaneCallback(Callback):
         if not info["last_in_step"]:
             self.microbatches_done = self._index_in_step(info) + 1
             return
+        step_rows = meta.extra_info.get(STEP_SAMPLE_IDS)
+        if self.clear_rows and step_rows:  # before the cursor moves past the step
+            call_dp(self.client, "clear_samples", sample_ids=step_rows, partition_id=meta.partition_id)
         self.completed_steps = int(info["step"]) + 1
         self.microbatches_done = 0
-        step_rows = meta.extra_info.get(STEP_SAMPLE_IDS)
-        if self.clear_rows and step_rows:
-            call_dp(self.client, "clear_samples", sample_ids=step_rows, partition_id=meta.partition_id)
 
     def _log(self, trainer: Trainer, pl_module: LightningModule, host: Any) -> None:
         """Accumulate this step's figures; log their per-step mean every ``log_every_n_steps``.
