@@ -5,7 +5,9 @@ Each case ends in one documented outcome:
 * a record: ``StagedCallRecord`` validation raises pydantic's ``ValidationError`` (a
   ``ValueError``) naming the field; ``TQTokenSink.stage`` never raises and returns
   ``ok=False`` with an error naming the field (or a field bound to it by a cross-field rule,
-  or ``digest`` when the bytes no longer match it), and the store is unchanged;
+  or ``digest`` when the bytes no longer match it), and the store is unchanged. The one
+  documented deferral: extras that carry routes are checked against ``extras_digest`` at the
+  point of use (``RouteFragment.verify``), not by the sink;
 * an admission: ``CaptureAdmission`` raises ``ValidationError`` naming the field;
 * a media bundle: ``validate_media_tensors`` raises ``TypeError`` / ``ValueError`` naming the
   attachment key, and staging it fails the same way with the store unchanged.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -71,7 +74,13 @@ scalars = st.one_of(
 values = st.one_of(
     scalars,
     st.lists(scalars, max_size=4),
-    st.dictionaries(st.text(max_size=3), scalars, max_size=2),
+    st.dictionaries(
+        st.one_of(st.just("routed_experts"), st.text(max_size=3)),
+        st.one_of(
+            scalars, st.lists(st.lists(st.lists(scalars, max_size=2), max_size=2), max_size=3)
+        ),
+        max_size=2,
+    ),
 )
 
 
@@ -112,8 +121,10 @@ def _state(store: LocalDataPlane, partition: str) -> tuple[list[str], Any]:
 @example(field="parent_call_id", value=False, child=True, acked_first=False)
 @example(field="token_mask_delta", value=[], child=False, acked_first=False)
 @example(field="token_ids_delta", value=0.5, child=True, acked_first=False)
+@example(field="token_mask_delta", value=[0, 0, 0], child=False, acked_first=False)
 @example(field="extras", value=[], child=True, acked_first=False)
 @example(field="extras", value={"": b""}, child=False, acked_first=False)
+@example(field="extras", value={"routed_experts": [[[1]]] * 3}, child=False, acked_first=False)
 @example(field="extras", value={"": "x\ud800"}, child=False, acked_first=False)
 @example(
     field="extras", value={"routed_experts": [[[1]]] * 3, "k": b""}, child=False, acked_first=False
@@ -138,11 +149,21 @@ def test_a_mutated_record_is_refused_by_field_and_never_lands(field, value, chil
         assert any(name in text for name in _accepted_names(field) for text in names), str(exc)
 
     if result.ok:
-        assert valid, f"the sink acknowledged an invalid record ({field}={value!r})"
         source = TQTokenSource(
             store, staging_partition=STAGING, snapshot_cls=StagedCallBaseSnapshot
         )
-        assert source.fetch([result.staging_key])[0].digest == mutated.digest
+        (fetched,) = source.fetch_for_finalization(
+            [result.staging_key], include_route_fragments=True
+        )
+        assert fetched.snapshot.digest == mutated.digest
+        if not valid:
+            # Documented deferral: extras carrying routes are hashed at the point of use, not
+            # by the sink (MoE routes are large); such a row must fail that check.
+            assert field == "extras" and fetched.fragment is not None, (
+                f"the sink acknowledged an invalid record ({field}={value!r})"
+            )
+            with pytest.raises(ValueError, match="extras_digest"):
+                fetched.fragment.verify(fetched.snapshot.extras_digest)
         return
     assert isinstance(result.error, str) and result.error
     assert any(name in result.error for name in _accepted_names(field)), result.error
@@ -163,6 +184,7 @@ admission_fields = {
 
 @FUZZ
 @given(kwargs=st.fixed_dictionaries({}, optional=admission_fields))
+@example(kwargs={"mode": "text", "rollout_id": "r", "staging_chain": [""], "model_call_id": "c"})
 def test_an_admission_is_valid_or_refused_naming_a_field(kwargs):
     try:
         admission = CaptureAdmission(**kwargs)

@@ -192,6 +192,12 @@ def float32_bytes(values: Any, name: str, *, check_types: bool = True) -> tuple[
         raise ValueError(f"{name} value cannot be represented as float32: {bad!r}") from None
 
 
+_CARRY_RULE = (
+    "prompt-carry log probabilities must be 0.0 "
+    "(generation_log_probs_delta where token_mask_delta is 0.0)"
+)
+
+
 def _check_mask_and_carry(mask: Any, logprobs: Any) -> None:
     """Masks are 0.0 / 1.0 only; a carry position (mask 0.0) has logprob 0.0 (either sign)."""
     if type(mask) is list and type(logprobs) is list:
@@ -203,13 +209,13 @@ def _check_mask_and_carry(mask: Any, logprobs: Any) -> None:
         else:
             carry = any(logprobs[:zeros]) if ones else any(logprobs)
         if carry:
-            raise ValueError("prompt-carry log probabilities must be 0.0")
+            raise ValueError(_CARRY_RULE)
         return
     mask, logprobs = np.asarray(mask), np.asarray(logprobs)
     if not ((mask == 0.0) | (mask == 1.0)).all():
         raise ValueError("token_mask_delta must contain only 0.0 or 1.0")
     if (logprobs[mask == 0.0] != 0.0).any():
-        raise ValueError("prompt-carry log probabilities must be 0.0")
+        raise ValueError(_CARRY_RULE)
 
 
 def encode_token_ids(token_ids: Any, *, check_types: bool = True) -> bytes:

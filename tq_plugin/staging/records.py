@@ -97,17 +97,28 @@ class CaptureAdmission(_WireModel):
             if self.parent_call_id is None or self.prev_len == 0:
                 raise ValueError("token_in admission requires a parent_call_id and prev_len > 0")
             if self.parent_chain_hash is None:
-                raise ValueError("token_in admission requires the parent's chain hash")
+                raise ValueError(
+                    "token_in admission requires the parent's chain hash (parent_chain_hash)"
+                )
             if not self.staging_chain and len(self.required_prefix_token_ids) != self.prev_len:
                 raise ValueError("required_prefix_token_ids length must equal prev_len")
-        elif (
-            self.parent_call_id is not None
-            or self.prev_len != 0
-            or self.required_prefix_token_ids
-            or self.staging_chain
-            or self.parent_chain_hash is not None
-        ):
-            raise ValueError("text admission must be a parentless root with no required prefix")
+        else:
+            offending = [
+                name
+                for name, is_set in (
+                    ("parent_call_id", self.parent_call_id is not None),
+                    ("prev_len", self.prev_len != 0),
+                    ("required_prefix_token_ids", bool(self.required_prefix_token_ids)),
+                    ("staging_chain", bool(self.staging_chain)),
+                    ("parent_chain_hash", self.parent_chain_hash is not None),
+                )
+                if is_set
+            ]
+            if offending:
+                raise ValueError(
+                    "text admission must be a parentless root with no required prefix "
+                    f"(set: {', '.join(offending)})"
+                )
         return self
 
 
