@@ -19,6 +19,7 @@ from tq_plugin.data_plane import (
     ROUTED_EXPERTS_FIELD,
     ROUTED_EXTRAS_METADATA_FIELD,
     ROUTED_LEN_FIELD,
+    RayDataPlane,
     call_dp,
 )
 from tq_plugin.staging.media import (
@@ -103,7 +104,13 @@ def register_staging_partition(
 
 
 def _accepts_put_mode(dp_client: Any) -> bool:
-    """Whether ``dp_client.put_samples`` declares a ``mode`` keyword (insert / update / upsert)."""
+    """Whether ``dp_client.put_samples`` takes a ``mode`` keyword (insert / update / upsert).
+
+    True when the method declares it, or for ``RayDataPlane`` (it forwards keywords to the
+    embedded store). A client written to the reference contract declares no ``mode``.
+    """
+    if isinstance(dp_client, RayDataPlane):
+        return True
     try:
         return "mode" in inspect.signature(dp_client.put_samples).parameters
     except (AttributeError, TypeError, ValueError):  # an actor handle, a C callable
