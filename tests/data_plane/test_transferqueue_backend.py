@@ -145,3 +145,12 @@ def test_a_blocking_call_past_its_deadline_raises():
             _deadline("kv_batch_get", 0.2, gate.wait, timeout=30)
     finally:
         gate.set()
+
+
+def test_a_tags_only_put_creates_rows_and_tags_merge(tq):
+    tq.put_samples(["n"], "train", tags=[{"x": 1}])
+    tq.put_samples(["n"], "train", {"r": torch.zeros(1)}, tags=[{"y": 2}])
+    assert tq.list_sample_ids("train") == ["n"]
+    assert tq.get_tags(["n"], "train") == [{"x": 1, "y": 2}]
+    with pytest.raises(ValueError, match="reserved"):
+        tq.put_samples(["__tq_plugin_schema__"], "train", {"r": torch.zeros(1)})
