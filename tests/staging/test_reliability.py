@@ -58,6 +58,7 @@ def test_a_failed_restage_never_deletes_the_acknowledged_row(
     )
     result = text_sink.stage(different)
     assert not result.ok and result.staging_key == "r/c0"
+    assert "already holds a different acknowledged call" in result.error
     (snapshot,) = text_source.fetch(["r/c0"])
     assert snapshot.digest == acked.digest  # the acknowledged row stands, and verifies
     assert client.of("clear_samples") == []

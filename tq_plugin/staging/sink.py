@@ -65,6 +65,8 @@ _DIGEST_COLUMNS = (
     ("cumulative_hash_bytes", "cumulative_hash"),
 )
 _DIGEST_NAMES = [name for name, _ in _DIGEST_COLUMNS]
+# What a read-back after a failed put found under the key.
+_THIS_CALL, _ANOTHER_CALL = "this call", "another call"
 
 
 def _bytes_tensor(value: bytes) -> torch.Tensor:
@@ -189,7 +191,8 @@ class TQTokenSink:
         try:
             self.store.put(key, fields, tags=tags)
         except Exception as exc:  # noqa: BLE001 - settled below, then reported
-            if self._settle_failed_write(key, fields):
+            held = self._settle_failed_write(key, fields)
+            if held == _THIS_CALL:
                 logger.info(
                     "TQTokenSink.stage: the put of %s raised (%s: %s) but the row holds "
                     "exactly this call; staged",
@@ -198,6 +201,12 @@ class TQTokenSink:
                     exc,
                 )
                 return _result(ok=True, staging_key=key)
+            if held == _ANOTHER_CALL:
+                exc = ValueError(
+                    f"staging key {key!r} already holds a different acknowledged call, which "
+                    f"is kept (the put raised {type(exc).__name__}); an acknowledged row is "
+                    "never overwritten: clear it first to replace it"
+                )
             return self._failed(key, exc)
         return _result(ok=True, staging_key=key)
 
@@ -297,8 +306,8 @@ class TQTokenSink:
         }
         return fields, tags
 
-    def _settle_failed_write(self, key: str, fields: Mapping[str, torch.Tensor]) -> bool:
-        """After a put raised: True when the row under ``key`` holds exactly this call.
+    def _settle_failed_write(self, key: str, fields: Mapping[str, torch.Tensor]) -> str | None:
+        """After a put raised: what the row under ``key`` holds (this call, another, or None).
 
         The store has no transactional rollback, and a raise says nothing about whether the
         write landed (a transport may fail after the store applied it; a backend writing
@@ -319,21 +328,22 @@ class TQTokenSink:
             same_digest = _rows_equal(stored, {"digest_bytes": fields["digest_bytes"]})
         except KeyError:
             self._discard(key)  # absent, or no digest: nothing acknowledged lives there
-            return False
+            return None
         except Exception as exc:  # noqa: BLE001 - uncertain: keep everything
             self._uncertain(key, exc)
-            return False
+            return None
         if not same_digest:
-            return False  # another call's acknowledged row: kept
+            return _ANOTHER_CALL  # another call's acknowledged row: kept
         try:
             # Equal in every field: durable. Different (other pixels under the same tokens):
             # another acknowledged call's row, kept.
-            return _rows_equal(self.store.get([key], select_fields=list(fields)), fields)
+            same = _rows_equal(self.store.get([key], select_fields=list(fields)), fields)
+            return _THIS_CALL if same else _ANOTHER_CALL
         except KeyError:
             self._discard(key)  # this call's digest, some field missing: a partial write
         except Exception as exc:  # noqa: BLE001 - uncertain: keep everything
             self._uncertain(key, exc)
-        return False
+        return None
 
     def _uncertain(self, key: str, exc: BaseException) -> None:
         logger.error(
