@@ -16,6 +16,7 @@ from tq_plugin.staging import (
     STATUS_TAG,
     CaptureAdmission,
     ChainPrefixCache,
+    ReceiptVerificationError,
     RolloutReassembler,
     StagedCallBaseSnapshot,
     TQTokenSink,
@@ -25,6 +26,7 @@ from tq_plugin.staging import (
     register_staging_partition,
     resolve_admission_prefix,
     staging_key,
+    verify_and_linearize,
 )
 from tq_plugin.staging.reassembler import REASSEMBLED_FIELDS
 
@@ -283,3 +285,12 @@ def test_a_full_store_is_a_failed_stage_and_the_acknowledged_rows_stand(chain) -
     assert store.list_sample_ids(partition_id=TEXT_PARTITION) == ["a/c0"]
     source = TQTokenSource(store, staging_partition=TEXT_PARTITION)
     assert source.fetch(["a/c0"])[0].digest == first.digest
+
+
+def test_a_tampered_snapshot_column_fails_verification_naming_the_field(chain) -> None:
+    records = chain("r", [([1, 2], [3], [-0.5])])
+    snapshot = (
+        records[0].to_base_snapshot().model_copy(update={"token_mask_delta": [0.0, "x", 1.0]})
+    )
+    with pytest.raises(ReceiptVerificationError, match="token_mask_delta"):
+        verify_and_linearize(make_rollout_receipt(records), [snapshot])

@@ -169,6 +169,14 @@ def float32_bytes(values: Any, name: str, *, check_types: bool = True) -> tuple[
     if check_types and set(map(type, values)) - {float}:
         bad = next(v for v in values if type(v) is not float)
         raise ValueError(f"{name} values must be finite Python floats, got {bad!r}")
+    try:
+        return _float_list_bytes(values, name)
+    except (TypeError, struct.error):  # unchecked types: a value that is not a number
+        bad = next(v for v in values if not isinstance(v, (int, float)))
+        raise ValueError(f"{name} values must be finite Python floats, got {bad!r}") from None
+
+
+def _float_list_bytes(values: list[Any], name: str) -> tuple[Any, bytes]:
     if len(values) >= _LONG_COLUMN:
         # One C-level pack to exact float64 bytes, then numpy does the checks and the rounding.
         exact = np.frombuffer(struct.pack(f">{len(values)}d", *values), dtype=">f8")
