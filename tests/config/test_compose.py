@@ -28,7 +28,12 @@ def _options(group: str) -> list[str]:
     return sorted(p.stem for p in (root / group).glob("*.yaml"))
 
 
-CASES = [(g, o) for g in GROUPS for o in _options(g)]
+_DISTRIBUTED = {("tq/backend", "ray"), ("tq/backend", "transferqueue")}  # start Ray / TQ
+CASES = [
+    pytest.param(g, o, id=f"{g}={o}",
+                 marks=[pytest.mark.slow, pytest.mark.timeout(300)] if (g, o) in _DISTRIBUTED else [])
+    for g in GROUPS for o in _options(g)
+]
 
 
 @pytest.fixture
@@ -63,8 +68,8 @@ def _select(compose_train, group: str, option: str) -> str:
     return f"{group}={option}" if listed else f"+{group}={option}"
 
 
-@pytest.mark.parametrize(("group", "option"), CASES, ids=[f"{g}={o}" for g, o in CASES])
-def test_option_composes_validates_and_instantiates(compose_train, tmp_path, group, option):
+@pytest.mark.parametrize(("group", "option"), CASES)
+def test_option_composes_validates_and_instantiates(compose_train, tmp_path, group, option, request):
     # A run sets hydra.runtime.output_dir (the loggers' save_dir); compose leaves it unset.
     cfg = compose_train(_select(compose_train, group, option),
                         f"hydra.runtime.output_dir={tmp_path}")
@@ -74,11 +79,15 @@ def test_option_composes_validates_and_instantiates(compose_train, tmp_path, gro
     if group == "tq/backend":
         from tq_plugin.data_plane import LocalDataPlane, RayDataPlane
 
-        expected = {"local": LocalDataPlane, "ray": RayDataPlane}[option]
         if option == "ray":
-            ray = pytest.importorskip("ray", reason="the ray extra is not installed")
-            with open_dict(node):
-                node.ray_init = {"num_cpus": 1, "include_dashboard": False, "log_to_driver": False}
+            request.getfixturevalue("ray_session")  # attach to the session's loopback Ray
+        elif option == "transferqueue":
+            request.getfixturevalue("tq_session")  # attach to the session's TransferQueue
+            from tq_plugin.data_plane.backends.transferqueue import TransferQueueDataPlane
+        expected = {"local": LocalDataPlane, "ray": RayDataPlane}.get(option) or TransferQueueDataPlane
+        with open_dict(node):
+            if option != "local":
+                node.store = f"compose-{option}"
         client = instantiate(node)
         try:
             assert isinstance(client, expected)
@@ -86,8 +95,6 @@ def test_option_composes_validates_and_instantiates(compose_train, tmp_path, gro
             assert client.list_sample_ids("p") == []
         finally:
             client.close()
-            if option == "ray":
-                ray.shutdown()
     elif group == "tq/staging":
         from tq_plugin.data_plane import LocalDataPlane
         from tq_plugin.staging import TQTokenSink

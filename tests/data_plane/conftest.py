@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import uuid
 
@@ -11,8 +10,6 @@ import torch
 
 from tq_plugin.data_plane import LocalDataPlane, nested_from_lengths
 
-HAVE_TQ = importlib.util.find_spec("transfer_queue") is not None
-
 # Conformance cases a backend cannot meet, and why (the test is skipped with this reason).
 UNSUPPORTED: dict[str, dict[str, str]] = {
     "transferqueue": {
@@ -20,21 +17,6 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
         "test_stats_reports_rows_and_bytes": "TransferQueue reports no byte accounting (stats() has rows only)",
     },
 }
-
-
-@pytest.fixture(scope="session")
-def tq_session(ray_session):
-    """TransferQueue on the session's loopback Ray: started once (1 storage unit), stopped at the end."""
-    if not HAVE_TQ:
-        pytest.skip("transferqueue is not installed (pip install 'tq_plugin[tq]')")
-    from tq_plugin.data_plane.backends.transferqueue import (
-        ensure_transfer_queue,
-        shutdown_transfer_queue,
-    )
-
-    ensure_transfer_queue(num_storage_units=1, init_timeout_s=120)
-    yield ray_session
-    shutdown_transfer_queue()
 
 
 def _make(kind: str, request):

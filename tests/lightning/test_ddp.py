@@ -14,6 +14,7 @@ SCRIPT = Path(__file__).with_name("ddp_fit.py")
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_ddp_ranks_keep_their_rows_and_agree_on_target_and_counts(tmp_path: Path) -> None:
     launcher_vars = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_")
     env = {k: v for k, v in os.environ.items() if not k.startswith(launcher_vars)}
@@ -37,6 +38,7 @@ def test_ddp_ranks_keep_their_rows_and_agree_on_target_and_counts(tmp_path: Path
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_ddp_ranks_read_length_balanced_shards_of_one_shared_store(
     tmp_path: Path, ray_session
 ) -> None:

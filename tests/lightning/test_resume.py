@@ -37,7 +37,7 @@ def run(make_trainer: Any, ckpt_dir: Path, max_steps: int, ckpt: str | None = No
     cb = DataPlaneCallback(lambda: LedgerClient(ledger), partitions=[partition_spec()])
     saver = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=-1)
     trainer = make_trainer(callbacks=[cb, saver], enable_checkpointing=True, max_steps=max_steps)
-    dm = MetaDataModule(source, num_steps=3, fields=POLICY_FIELDS, micro_batch_size=2)
+    dm = MetaDataModule(source, num_steps=3, fields=POLICY_FIELDS, micro_batch_size=2, global_batch_size=2)
     trainer.fit(DemoPolicy(), datamodule=dm, ckpt_path=ckpt)
     return cb, source, ledger
 

@@ -207,3 +207,22 @@ def test_recipe_trains_the_hf_model_and_saves_its_weights(tmp_path, config_name,
         load_weights(fresh, tmp_path / name)
         for key, tensor in trained.state_dict().items():
             assert torch.equal(fresh.state_dict()[key], tensor), key
+
+
+def test_the_config_group_takes_a_pretrained_path(pretrained, tmp_path):
+    from tq_plugin.config import ConfigError, validate_config
+    from tq_plugin.rl.recipe import RLRecipe
+
+    path, lm = pretrained
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="tq_plugin.conf", version_base="1.3"):
+        cfg = compose("ppo", overrides=[*FAST, f"model.pretrained_path={path}",
+                                        "model.max_seq_len=48"])
+        bad = compose("ppo", overrides=[*FAST, "model.attn_implementation=flash_attention_2"])
+    GlobalHydra.instance().clear()
+    with pytest.raises(ConfigError, match="model.attn_implementation: must be one of"):
+        validate_config(bad)
+    recipe = RLRecipe(cfg, tmp_path / "run")
+    recipe.setup()
+    for name, tensor in lm.state_dict().items():
+        torch.testing.assert_close(recipe.module.policy.backbone.state_dict()[name], tensor)

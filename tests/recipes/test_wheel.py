@@ -39,9 +39,11 @@ def test_wheel_ships_plugin_and_configs(tmp_path):
     assert "hydra_plugins/tq_plugin/__init__.py" in names
     assert "hydra_plugins/__init__.py" not in names
     assert "tq_plugin/rl/recipe.py" in names and "tq_plugin/cli.py" in names
-    for yaml in ("train.yaml", "tq/packing/sequence_packing.yaml", "tq/staging/media.yaml",
-                 "tq/backend/local.yaml", "recipe/grpo.yaml"):
+    for yaml in ("train.yaml", "recipe/grpo.yaml"):  # the recipe's own configs
         assert f"tq_plugin/conf/{yaml}" in names, yaml
+    for yaml in ("tq/packing/sequence_packing.yaml", "tq/staging/media.yaml",
+                 "tq/backend/local.yaml"):  # what every Hydra app sees, through the plugin
+        assert f"hydra_plugins/tq_plugin/conf/{yaml}" in names, yaml
 
     # A fresh venv without the project: the wheel unpacked by pip into its own directory, and
     # the project venv's third-party packages (torch, hydra, ...) behind it. The editable
@@ -71,7 +73,7 @@ def test_wheel_ships_plugin_and_configs(tmp_path):
 
     info = subprocess.run([str(py), "app.py", "--info", "searchpath"], cwd=app_dir, check=True,
                           capture_output=True, text=True, timeout=300)
-    assert "pkg://tq_plugin.conf" in info.stdout
+    assert "pkg://hydra_plugins.tq_plugin.conf" in info.stdout
 
     # The recipes' primary config composes from the wheel too (what `tq-train` runs).
     job = subprocess.run([str(py), "-m", "tq_plugin.cli", "recipe=grpo", "--cfg", "job"],  # noqa: PLW1510

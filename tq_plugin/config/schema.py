@@ -28,6 +28,8 @@ LAYOUTS = ("padded", "packed")
 PACKING_MODES = ("none", "sequence_packing", "dynamic_batching")
 PIXEL_DTYPES = ("float32", "float16", "bfloat16")
 ALGORITHMS = ("ppo", "grpo")
+# Attention kernels tq_plugin.rl.hf_model feeds a block-diagonal mask (packed rows) on CPU.
+HF_ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 
 
 class ConfigError(CompactHydraException, ValueError):
@@ -69,6 +71,9 @@ class RayBackendConfig:
     store: str = "tq_train"
     actor_name: str = "tq_plugin_data_plane"
     namespace: str = "tq_plugin"
+    # A cluster's GCS address (host:port) to attach to; None starts Ray on loopback.
+    address: str | None = None
+    op_timeout_s: float = 300.0
     # Passed to ray.init when Ray is not running yet.
     ray_init: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 2,
                                                               "include_dashboard": False})
@@ -77,6 +82,31 @@ class RayBackendConfig:
         for key in ("store", "actor_name", "namespace"):
             if not getattr(self, key):
                 _fail(f"tq.backend.{key}", "must be a non-empty string")
+        _positive("tq.backend.op_timeout_s", self.op_timeout_s)
+
+
+@dataclass
+class TransferQueueBackendConfig:
+    """``tq/backend=transferqueue``: TransferQueue 0.1.11 behind the data-plane protocol (needs
+    the ``tq`` extra)."""
+
+    _target_: str = "tq_plugin.data_plane.backends.transferqueue.TransferQueueDataPlane"
+    store: str = "tq_train"
+    num_storage_units: int = 1
+    init_timeout_s: float = 60.0
+    op_timeout_s: float = 120.0
+    address: str | None = None
+    allow_non_loopback: bool = False
+    ray_init: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 2,
+                                                              "include_dashboard": False})
+
+    def __post_init__(self) -> None:
+        if not self.store:
+            _fail("tq.backend.store", "must be a non-empty string")
+        if self.num_storage_units < 1:
+            _fail("tq.backend.num_storage_units", f"must be >= 1, got {self.num_storage_units}")
+        _positive("tq.backend.init_timeout_s", self.init_timeout_s)
+        _positive("tq.backend.op_timeout_s", self.op_timeout_s)
 
 
 @dataclass
@@ -237,6 +267,25 @@ class ModelConfig:
 
 
 @dataclass
+class HFCausalLMConfig(ModelConfig):
+    """``model=hf_causal_lm``: a transformers causal LM (the ``hf`` extra), built from
+    ``model_type``'s config sized by the keys above, or loaded from ``pretrained_path`` (a local
+    ``save_pretrained`` directory in safetensors; nothing is downloaded)."""
+
+    _target_: str = "tq_plugin.rl.hf_model.HFCausalLM"
+    name: str = "hf_causal_lm"
+    model_type: str = "llama"
+    pretrained_path: str | None = None
+    attn_implementation: str = "sdpa"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.model_type:
+            _fail("model.model_type", "must name a transformers model type (e.g. llama, gpt2)")
+        _one_of("model.attn_implementation", self.attn_implementation, HF_ATTN_IMPLEMENTATIONS)
+
+
+@dataclass
 class RecipeConfig:
     """``recipe``: the RL algorithm and its hyper-parameters (``ppo`` or ``grpo``)."""
 
@@ -304,7 +353,9 @@ SCHEMAS: dict[str, type] = {
 
 
 # Schemas of options that differ from their group's default schema.
-EXTRA_SCHEMAS: dict[str, type] = {"backend_ray": RayBackendConfig}
+EXTRA_SCHEMAS: dict[str, type] = {"backend_ray": RayBackendConfig,
+                                  "backend_transferqueue": TransferQueueBackendConfig,
+                                  "model_hf_causal_lm": HFCausalLMConfig}
 
 # Schemas are stored as root configs, not in a group: a group would be listed in every Hydra
 # app's --help (the plugin registers them on every start), and a schema is not an option.

@@ -40,7 +40,6 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from tq_plugin.data_plane.backends._checkpoint import CheckpointError, load_into
-from tq_plugin.data_plane.backends.local import LocalDataPlane
 from tq_plugin.data_plane.client import call_dp
 from tq_plugin.data_plane.column_io import write_columns
 from tq_plugin.data_plane.meta import KVBatchMeta
@@ -354,7 +353,7 @@ class DataPlaneCallback(Callback):
 
     def _store_rank(self, trainer: Trainer) -> int | None:
         """This rank's store directory index, or None when another rank saves a shared store."""
-        if isinstance(self._inner(), LocalDataPlane):
+        if not getattr(self._inner(), "shared", True):  # each rank holds its own rows
             return trainer.global_rank
         return 0 if trainer.is_global_zero else None
 

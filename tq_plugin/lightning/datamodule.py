@@ -117,10 +117,10 @@ class MetaDataModule(LightningDataModule):
     def _row_placement(self, client: Any) -> str:
         if self.rows != "auto":
             return self.rows
-        from tq_plugin.data_plane.backends.local import LocalDataPlane
-
+        # A backend states its placement (``shared``: other processes see its rows); a client
+        # that does not say is taken as shared, the safe side (rank 0 owns each step).
         inner = client.inner if isinstance(client, MeteredClient) else client
-        return "local" if isinstance(inner, LocalDataPlane) else "shared"
+        return "shared" if getattr(inner, "shared", True) else "local"
 
     def _reduce_max(self, values: list[int]) -> list[int]:
         strategy = self._trainer().strategy

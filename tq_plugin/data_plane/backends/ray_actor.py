@@ -437,6 +437,7 @@ class RayDataPlane:
     """
 
     shared = True  # rows are visible to every process of the Ray cluster
+    checks_token_alignment = True  # the actor's store checks per-token rows inside each put
 
     def __init__(
         self,
