@@ -24,6 +24,7 @@ batch one process would train on; ``tq_plugin.rl.ranks`` says how the step is sp
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -38,7 +39,7 @@ from hydra.utils import instantiate
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 from typing_extensions import override
 
 from tq_plugin.config import PackingConfig, RecipeConfig, validate_config
@@ -55,6 +56,7 @@ from tq_plugin.data_plane import (
     KVBatchMeta,
 )
 from tq_plugin.lightning import MICROBATCH_INFO, DataPlaneCallback, MetaDataModule
+from tq_plugin.lightning.instantiators import instantiate_callbacks, instantiate_loggers
 from tq_plugin.rl import ranks
 from tq_plugin.rl.advantages import gae, group_relative, turn_end_rewards, whiten
 from tq_plugin.rl.metrics import RESULT_FILE, MetricsLog, _Step
@@ -79,12 +81,23 @@ class RLRecipe:
 
     def __init__(self, cfg: DictConfig, output_dir: str | Path) -> None:
         typed = validate_config(cfg)
-        self.cfg = cfg
+        self.output_dir = Path(output_dir)
+        self.cfg = self._pin_logger_dirs(cfg)
         self.rc: RecipeConfig = typed["recipe"]
         self.packing: PackingConfig = instantiate(cfg.tq.packing)
         self.media = bool(cfg.tq.staging.capture_media)
-        self.output_dir = Path(output_dir)
         self.ppo = self.rc.algorithm == "ppo"
+
+    def _pin_logger_dirs(self, cfg: DictConfig) -> DictConfig:
+        """A copy of ``cfg`` whose loggers write under this run's output dir: their
+        ``${hydra:runtime.output_dir}`` cannot resolve where Hydra is not running (a
+        ``ddp_spawn`` rank, a config composed in a test)."""
+        cfg = copy.deepcopy(cfg)
+        with open_dict(cfg):
+            for node in (cfg.get("logger") or {}).values():
+                if isinstance(node, DictConfig) and "save_dir" in node:
+                    node.save_dir = str(self.output_dir)
+        return cfg
 
     def __getstate__(self) -> dict[str, Any]:
         # ddp_spawn pickles the recipe (the step source is its bound method) through
@@ -146,16 +159,13 @@ class RLRecipe:
         self.step_callback = RLStepCallback(self)
         self.sigterm_checkpoint = self.output_dir / "checkpoints" / "sigterm.ckpt"
         max_steps = self.rc.num_steps * self.rc.ppo_epochs * self.rc.minibatches
-        extra = {}
-        if self.cfg.trainer.get("logger") is True:  # CSV under the output dir, no tensorboard needed
-            from lightning.pytorch.loggers import CSVLogger
-
-            extra["logger"] = CSVLogger(str(self.output_dir), name="lightning_logs")
         self.sigterm = SigtermStop(self.sigterm_checkpoint)
-        callbacks = [self.callback, self.step_callback, self.sigterm]
+        callbacks = [self.callback, self.step_callback, self.sigterm, *instantiate_callbacks(
+            self.cfg.get("callbacks"),
+            progress_bar=bool(self.cfg.trainer.get("enable_progress_bar", True)))]
         self.trainer = instantiate(self.cfg.trainer, max_steps=max_steps,
                                    default_root_dir=str(self.output_dir),
-                                   callbacks=callbacks, **extra)
+                                   callbacks=callbacks, logger=self._loggers())
         self.global_batch = self.rc.prompts_per_step * self.rc.group_size // self.rc.minibatches
         ranks.check_parallel_run(self.trainer, backend=self.cfg.tq.backend,
                                  global_batch=self.global_batch,
@@ -177,6 +187,12 @@ class RLRecipe:
             rows="shared" if shared else "local",
         )
         self.replicated = not shared and self.world_size > 1
+
+    def _loggers(self) -> list[Any] | bool:
+        """The ``logger`` group's loggers (``False``: none)."""
+        if self.cfg.trainer.get("logger") is False:
+            return False
+        return instantiate_loggers(self.cfg.get("logger")) or False
 
     def _setup_data_path(self) -> None:
         """Staging sink, rollout worker and reassembler, on the client the callback built."""
