@@ -515,3 +515,43 @@ def test_fuzz_read_columns(target, fields):
     if "input_ids" in fields:
         assert out["input_ids"].shape == (3, max(5, target or 0))
     client.close()
+
+
+# ---------------------------------------------------------------------------- issue #9 §4
+class ContractClient:
+    """A client written to the reference contract: ``fields`` is a TensorDict (it calls
+    ``.select``) and ``put_samples`` takes no ``mode``."""
+
+    def __init__(self) -> None:
+        self.inner = LocalDataPlane()
+        self.puts = 0
+
+    def register_partition(self, partition_id, fields, num_samples=None, consumer_tasks=None,
+                           grpo_group_size=None, enums=None):
+        self.inner.register_partition(partition_id, fields, num_samples, consumer_tasks)
+
+    def put_samples(self, sample_ids, partition_id, fields=None, tags=None):
+        self.puts += 1
+        fields = fields.select(*fields.keys())  # fails on a plain dict
+        return self.inner.put_samples(sample_ids, partition_id, fields, tags)
+
+    def get_samples(self, sample_ids, partition_id, select_fields):
+        return self.inner.get_samples(sample_ids, partition_id, select_fields)
+
+    def list_sample_ids(self, partition_id):
+        return self.inner.list_sample_ids(partition_id)
+
+
+def test_column_io_works_with_a_reference_contract_client():
+    client = ContractClient()
+    client.register_partition("train", [])
+    meta = first_write(rollout([5, 9, 3]), sample_ids=["a", "b", "c"], client=client, partition_id="train")
+    write_columns(client, meta, {"advantages": torch.ones(3, 9)})
+    out = read_columns(client, meta, ["advantages"], layout="jagged")
+    assert [len(r) for r in out["advantages"].unbind()] == [5, 9, 3]
+    puts = client.puts
+    with pytest.raises(ValueError, match=r"already exist.*'a'"):  # insert, checked by listing
+        first_write(rollout([2, 2, 2]), sample_ids=["a", "x", "y"], client=client, partition_id="train")
+    with pytest.raises(KeyError, match="'typo'"):  # update, checked by listing
+        write_columns(client, KVBatchMeta("train", None, ["a", "typo"]), {"score": torch.ones(2)})
+    assert client.puts == puts and client.list_sample_ids("train") == ["a", "b", "c"]

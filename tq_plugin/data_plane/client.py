@@ -129,6 +129,27 @@ def bind_keywords(method_name: str, args: tuple, kwargs: Mapping[str, Any]) -> d
     return dict(bound.arguments)
 
 
+def accepts_put_mode(client: Any) -> bool:
+    """Whether ``client.put_samples`` takes ``mode=`` ("insert" / "update" / "upsert").
+
+    The method's signature tells; where it cannot (a wrapper forwarding ``**kwargs``, an actor
+    handle), the backend's ``supports_put_mode`` does (the three shipped backends set it, and
+    wrappers pass attributes through). A client written to the reference contract has no
+    ``mode``: callers then check ids themselves before writing.
+    """
+    try:
+        params = inspect.signature(client.put_samples).parameters
+    except (AttributeError, TypeError, ValueError):  # an actor handle, a C callable
+        params = None
+    if params is not None:
+        if "mode" in params:
+            return True
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            return False  # a signature that names its keywords, and not this one
+    # Forwarding wrappers (``**kwargs``) and actor handles: the backend's own word.
+    return bool(getattr(client, "supports_put_mode", False))
+
+
 def call_dp(client: Any, method_name: str, **kwargs: Any) -> Any:
     """Call ``client.<method_name>(**kwargs)`` on a local client or a Ray actor handle alike.
 

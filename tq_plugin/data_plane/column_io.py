@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from tensordict import TensorDict, TensorDictBase
 
-from tq_plugin.data_plane.client import call_dp
+from tq_plugin.data_plane.client import accepts_put_mode, call_dp
 from tq_plugin.data_plane.meta import KVBatchMeta
 from tq_plugin.data_plane.schema import (
     GLOBAL_FORWARD_PAD_SEQLEN,
@@ -257,17 +257,17 @@ def first_write(
     put = {
         "sample_ids": ids,
         "partition_id": partition_id,
-        "fields": columns,
+        "fields": as_batch(columns, n),
         "tags": None if tags is None else [dict(t) for t in tags],
     }
     try:
-        put_meta = call_dp(client, "put_samples", **put, mode="upsert" if overwrite else "insert")
+        put_meta = _put(client, put, "upsert" if overwrite else "insert")
     except ValueError:
         # A retry of a first_write whose put landed (whole, or field by field on a backend that
         # is not atomic) before the caller saw an error finds its own rows: complete them.
         if overwrite or not _rows_hold_this_write(client, ids, partition_id, columns):
             raise
-        put_meta = call_dp(client, "put_samples", **put, mode="upsert")
+        put_meta = _put(client, put, "upsert")
     info = dict(extra_info or {})
     if pad_to_multiple > 1:
         info[PAD_TO_MULTIPLE] = pad_to_multiple
@@ -386,14 +386,38 @@ def write_columns(
         columns = to_wire_columns(fields, _stored_lengths(client, meta, claimed))
     elif columns is None:
         columns = to_wire_columns(fields, None)
-    call_dp(
-        client,
-        "put_samples",
-        sample_ids=list(meta.sample_ids),
-        partition_id=meta.partition_id,
-        fields=columns,
-        mode="update",
-    )
+    put = {"sample_ids": list(meta.sample_ids), "partition_id": meta.partition_id,
+           "fields": as_batch(columns, meta.size)}
+    _put(client, put, "update")
+
+
+def as_batch(columns: Mapping[str, torch.Tensor], n: int) -> TensorDict:
+    """A put's payload as the contract types it: a ``TensorDict`` of batch ``[n]``."""
+    return TensorDict(dict(columns), batch_size=[n])
+
+
+def _put(client: Any, put: dict[str, Any], mode: str) -> Any:
+    """``put_samples`` with ``mode``; for a client without modes (the reference contract), the
+    ids are checked against the partition's listing first ("insert": none may exist, "update":
+    all must), then a plain put."""
+    if accepts_put_mode(client):
+        return call_dp(client, "put_samples", **put, mode=mode)
+    if mode != "upsert":
+        held = set(call_dp(client, "list_sample_ids", partition_id=put["partition_id"]))
+        ids = put["sample_ids"]
+        if mode == "insert" and held.intersection(ids):
+            clash = [s for s in ids if s in held]
+            raise ValueError(
+                f"put_samples(mode='insert'): {len(clash)} sample_ids already exist in partition "
+                f"{put['partition_id']!r}: {_name_some(clash)}"
+            )
+        if mode == "update" and not held.issuperset(ids):
+            unknown = [s for s in ids if s not in held]
+            raise KeyError(
+                f"put_samples(mode='update'): {len(unknown)} sample_ids were never written to "
+                f"partition {put['partition_id']!r}: {_name_some(unknown)}"
+            )
+    return call_dp(client, "put_samples", **put)
 
 
 def _pad_target(where: str, extra_info: Mapping[str, Any]) -> int:

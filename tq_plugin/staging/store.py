@@ -7,7 +7,6 @@ Per-token and byte columns are declared jagged, so each one-row put hands plain 
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -19,9 +18,9 @@ from tq_plugin.data_plane import (
     ROUTED_EXPERTS_FIELD,
     ROUTED_EXTRAS_METADATA_FIELD,
     ROUTED_LEN_FIELD,
-    RayDataPlane,
     call_dp,
 )
+from tq_plugin.data_plane.client import accepts_put_mode
 from tq_plugin.staging.media import (
     MEDIA_IMGS_FIELD,
     MEDIA_IMGS_SIZES_FIELD,
@@ -103,20 +102,6 @@ def register_staging_partition(
     )
 
 
-def _accepts_put_mode(dp_client: Any) -> bool:
-    """Whether ``dp_client.put_samples`` takes a ``mode`` keyword (insert / update / upsert).
-
-    True when the method declares it, or for ``RayDataPlane`` (it forwards keywords to the
-    embedded store). A client written to the reference contract declares no ``mode``.
-    """
-    if isinstance(dp_client, RayDataPlane):
-        return True
-    try:
-        return "mode" in inspect.signature(dp_client.put_samples).parameters
-    except (AttributeError, TypeError, ValueError):  # an actor handle, a C callable
-        return False
-
-
 class TQStagingStore:
     """Shared keyed-row transport for all token-capture codecs: one row per staging key.
 
@@ -127,7 +112,7 @@ class TQStagingStore:
     def __init__(self, dp_client: Any, *, staging_partition: str) -> None:
         self.dp_client = dp_client
         self.staging_partition = staging_partition
-        self._insert_only = _accepts_put_mode(dp_client)
+        self._insert_only = accepts_put_mode(dp_client)
 
     def put(
         self,

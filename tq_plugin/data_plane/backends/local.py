@@ -63,6 +63,7 @@ class LocalDataPlane(WritePath, RowBuffer, TaskCursors):
     # put_samples refuses jagged per-token rows whose lengths differ from the rows' stored
     # input_lengths (column I/O then skips its own check read).
     checks_token_alignment = True
+    supports_put_mode = True  # put_samples(mode="insert" | "update" | "upsert")
 
     def __init__(self, *, capacity_bytes: int | None = None) -> None:
         if capacity_bytes is None:

@@ -438,6 +438,7 @@ class RayDataPlane:
 
     shared = True  # rows are visible to every process of the Ray cluster
     checks_token_alignment = True  # the actor's store checks per-token rows inside each put
+    supports_put_mode = True  # keywords reach the actor's store as they are
 
     def __init__(
         self,

@@ -204,6 +204,7 @@ class TransferQueueDataPlane:
     """
 
     shared = True  # rows are visible to every process attached to the same TransferQueue
+    supports_put_mode = True  # insert / update are checked against the live keys first
 
     def __init__(
         self,
