@@ -19,7 +19,7 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_SPEC)
-	$(PY) -m pip install --quiet -e '.[test,ray,tq,hf]'
+	$(PY) -m pip install --quiet -e '.[test,ray,tq,hf,tensorboard]'
 	-$(PY) -m pip install --quiet --no-deps --ignore-requires-python nemo-gym==0.7.0
 	touch $(STAMP)
 
@@ -31,7 +31,7 @@ run: $(STAMP)
 
 # One multirun over the packing settings; the comparison lands in the sweep dir.
 sweep: $(STAMP)
-	$(VENV)/bin/tq-train -m tq/packing=none,sequence_packing,dynamic_batching tq.packing.train_mb_tokens=256,1024 recipe.num_steps=30
+	$(VENV)/bin/tq-train -m tq/packing=none,sequence_packing,dynamic_batching tq.packing.train_mb_tokens=256,1024 recipe.seed=0,1,2 recipe.num_steps=30
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -15,7 +15,6 @@ from omegaconf import OmegaConf, open_dict
 import hydra_plugins.tq_plugin
 import tq_plugin
 from tq_plugin.config import PackingConfig, validate_config
-from tq_plugin.config.schema import LEGACY_SCHEMA_GROUP
 
 CONF = Path(tq_plugin.__file__).parent / "conf"  # the recipes' groups and primary configs
 PLUGIN_CONF = Path(hydra_plugins.tq_plugin.__file__).parent / "conf"  # tq/*, in every app
@@ -270,9 +269,7 @@ def test_other_apps_see_only_the_tq_groups():
     GlobalHydra.instance().clear()
     assert cfg.model == "tiny_transformer"
     assert not groups & {"model", "task", "recipe", "trainer", "logger", "callbacks"}, groups
-    # tq/schema is the deprecated home of the recipe's task/model/recipe schemas; it goes once
-    # conf/task, conf/recipe and conf/model/hf_causal_lm name the root tq_schema_* configs.
-    assert tq_groups - {LEGACY_SCHEMA_GROUP.split("/")[1]} == {"backend", "staging", "packing"}
+    assert tq_groups == {"backend", "staging", "packing"}  # no tq/schema group either
     assert "tq_schema_packing" not in groups
 
 

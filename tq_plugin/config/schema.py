@@ -360,8 +360,6 @@ EXTRA_SCHEMAS: dict[str, type] = {"backend_ray": RayBackendConfig,
 # Schemas are stored as root configs, not in a group: a group would be listed in every Hydra
 # app's --help (the plugin registers them on every start), and a schema is not an option.
 SCHEMA_PREFIX = "tq_schema_"
-# Deprecated: the group the schemas used to live in; kept until every YAML names the root ones.
-LEGACY_SCHEMA_GROUP = "tq/schema"
 
 
 def schema_name(group_or_option: str) -> str:
@@ -375,8 +373,6 @@ def register_configs() -> None:
     nodes = {group.split("/")[-1]: node for group, node in SCHEMAS.items()} | EXTRA_SCHEMAS
     for name, node in nodes.items():
         cs.store(name=schema_name(name), node=node, provider=PROVIDER)
-        if name in ("task", "model", "recipe"):  # the recipe's YAML still names tq/schema/*
-            cs.store(group=LEGACY_SCHEMA_GROUP, name=name, node=node, provider=PROVIDER)
 
 
 register_configs()

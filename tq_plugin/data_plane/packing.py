@@ -35,13 +35,15 @@ from typing import Any, Literal
 
 import torch
 
+from tq_plugin.config.schema import MICROBATCH_ORDERS, PACKING_ALGORITHMS
+
 MicroBatchMode = Literal["packed", "padded"]
 
 # "first_fit_decreasing": plain FFD. "modified_first_fit_decreasing": Johnson and Garey's MFFD
 # (size classes; large rows first get medium rows and pairs of small rows, then FFD), the
 # algorithm NeMo RL's exemplar configs name.
-SEQUENCE_PACKING_ALGORITHMS = ("first_fit_decreasing", "modified_first_fit_decreasing")
-MICROBATCH_ORDERS = ("packer", "largest_first")
+# Defined once, in the torch-free config schema (the layer below this one).
+SEQUENCE_PACKING_ALGORITHMS = PACKING_ALGORITHMS
 
 _SEQPACK_KEYS = frozenset(
     {
