@@ -89,7 +89,7 @@ def test_trainer_keys_are_config_keys():
         # 4 prompts x 4 samples = 16 rows do not split over 3 ranks.
         (["trainer=ddp_cpu", "trainer.devices=3"], "must divide evenly over 3 DDP ranks"),
         # Without an address each rank would start its own Ray: no store all ranks share.
-        (["trainer=ddp_cpu", "tq/backend=ray"], "tq.backend.ray_init.address="),
+        (["trainer=ddp_cpu", "tq/backend=ray"], "tq.backend.address="),
     ],
     ids=["uneven-global-batch", "ray-without-a-cluster-address"],
 )
@@ -183,7 +183,8 @@ def test_two_ranks_share_one_ray_store(tmp_path, ray_session, one_process):
     address = ray_session.get_runtime_context().gcs_address
     proc = subprocess.run(
         subprocess_cmd(tmp_path, "trainer=ddp_cpu", "recipe.num_steps=2", "tq/backend=ray",
-                       f"++tq.backend.ray_init.address={address}",
+                       f"tq.backend.address={address}",
+                       # Ray refuses num_cpus when attaching to a running cluster.
                        "tq.backend.ray_init.num_cpus=null", "++tq.backend.ray_init.log_to_driver=false",
                        "tq.backend.store=ddp_recipe_test"),
         cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=280, check=False)

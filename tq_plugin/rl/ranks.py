@@ -3,7 +3,7 @@
 One RL step under DDP trains on the same global batch as one process would:
 
 * **shared store** (a backend class with ``shared = True``, e.g. ``tq/backend=ray``, whose config
-  names the cluster every rank attaches to: ``tq.backend.ray_init.address``): rank 0 generates
+  names the cluster every rank attaches to: ``tq.backend.address``): rank 0 generates
   the step once and writes it; the step meta is broadcast and each rank reads a length-balanced
   shard (``MetaDataModule(rows="shared")``). Without an address each rank would start its own
   cluster, so that run is refused.
@@ -64,8 +64,8 @@ def check_parallel_run(trainer: Any, *, backend: Any, global_batch: int,
         raise ValueError(
             f"tq.backend={backend_cls.__name__} with {world} DDP ranks: every rank must attach to "
             "one store, but the config names no cluster (each rank would start its own). Attach them "
-            "to a running cluster (++tq.backend.ray_init.address=<host:port> "
-            "tq.backend.ray_init.num_cpus=null), use tq/backend=local, or run one process")
+            "to a running cluster (tq.backend.address=<host:port> tq.backend.ray_init.num_cpus="
+            "null), use tq/backend=local, or run one process")
     if not save_artifacts and strategy == "DDPStrategy" and trainer.strategy.launcher is not None \
             and type(trainer.strategy.launcher).__name__ == "_MultiProcessingLauncher":
         raise ValueError("recipe.save_artifacts=false with trainer.strategy=ddp_spawn: the "
