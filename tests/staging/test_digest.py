@@ -275,3 +275,82 @@ def test_carry_rule_holds_for_every_mask_layout(mask, logprobs, ok) -> None:
         else:
             with pytest.raises(ValueError, match="prompt-carry"):
                 compute_staging_digest(**fields)
+
+
+class _Id(int):
+    pass
+
+
+class _Real(float):
+    pass
+
+
+@pytest.mark.parametrize("n", [2, 300])
+@pytest.mark.parametrize(
+    "column,bad,match",
+    [
+        ("token_ids_delta", True, "unsigned 64-bit"),
+        ("token_ids_delta", False, "unsigned 64-bit"),
+        ("token_ids_delta", np.int64(5), "unsigned 64-bit"),
+        ("token_ids_delta", np.uint32(5), "unsigned 64-bit"),
+        ("token_ids_delta", _Id(5), "unsigned 64-bit"),
+        ("token_ids_delta", 5.0, "unsigned 64-bit"),
+        ("token_ids_delta", -3, "unsigned 64-bit"),
+        ("token_ids_delta", [5], "unsigned 64-bit"),
+        ("generation_log_probs_delta", np.float64(-0.5), "finite Python floats"),
+        ("generation_log_probs_delta", _Real(-0.5), "finite Python floats"),
+        ("generation_log_probs_delta", True, "finite Python floats"),
+        ("generation_log_probs_delta", -1, "finite Python floats"),
+        ("generation_log_probs_delta", "x", "finite Python floats"),
+        ("token_mask_delta", np.float64(1.0), "finite Python floats"),
+        ("token_mask_delta", 1, "finite Python floats"),
+    ],
+)
+def test_list_columns_keep_exact_types_wherever_the_odd_value_sits(
+    n: int, column: str, bad: object, match: str
+) -> None:
+    """The one-pass list reader refuses every non-exact element, first, middle or last."""
+    call = {
+        **GOLDEN_CALL,
+        "delta_len": n,
+        "cum_len": 3 + n,
+        "token_ids_delta": list(range(7, 7 + n)),
+        "token_mask_delta": [0.0] + [1.0] * (n - 1),
+        "generation_log_probs_delta": [0.0] + [-0.5] * (n - 1),
+    }
+    compute_staging_digest(**call)
+    for at in (n - 1, n // 2, 1):
+        column_values = list(call[column])
+        column_values[at] = bad
+        with pytest.raises(ValueError, match=match) as caught:
+            compute_staging_digest(**{**call, column: column_values})
+        assert column in str(caught.value)
+
+
+@pytest.mark.parametrize("n", [3, 700])
+def test_list_reader_and_struct_fallback_hash_alike(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ids on both sides of 2**31 (the one-pass reader's range), shared float objects,
+    -0.0 and float32 rounding hash the same through the one-pass reader and through the
+    struct path it falls back to (forced here by disabling the reader)."""
+    from tq_plugin.staging import digest as digest_module
+
+    rng = np.random.default_rng(n)
+    one = 1.0
+    for ids in (
+        [int(x) for x in rng.integers(0, 2**31 - 1, n)],
+        [int(x) for x in rng.integers(0, 2**31 - 1, n - 1)] + [2**31],
+        [0] * n,
+    ):
+        call = {
+            **GOLDEN_CALL,
+            "delta_len": n,
+            "cum_len": 3 + n,
+            "token_ids_delta": ids,
+            "token_mask_delta": [0.0, -0.0] + [one] * (n - 2),
+            "generation_log_probs_delta": [0.0, -0.0] + [-0.1000000001] * (n - 2),
+        }
+        fast = compute_staging_digest(**call)
+        monkeypatch.setattr(digest_module, "_MARSHAL_OK", False)
+        assert compute_staging_digest(**call) == fast
+        monkeypatch.setattr(digest_module, "_MARSHAL_OK", True)
+    assert digest_module._MARSHAL_OK is digest_module._marshal_layout_holds()
