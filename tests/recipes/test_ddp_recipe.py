@@ -177,16 +177,17 @@ def assert_one_process_update(proc: subprocess.CompletedProcess, out: Path,
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_two_ranks_share_one_ray_store(tmp_path, ray_session, one_process):
-    """tq/backend=ray attached to one cluster: rank 0 generates each step once into the shared
+@pytest.mark.parametrize(("backend", "session"), [("ray", "ray_session"),
+                                                  ("transferqueue", "tq_session")])
+def test_two_ranks_share_one_store(tmp_path, one_process, request, backend, session):
+    """A shared backend attached to one cluster: rank 0 generates each step once into the
     store, every rank trains on its shard, and the update is the one-process update."""
-    address = ray_session.get_runtime_context().gcs_address
+    address = request.getfixturevalue(session).get_runtime_context().gcs_address
     proc = subprocess.run(
-        subprocess_cmd(tmp_path, "trainer=ddp_cpu", "recipe.num_steps=2", "tq/backend=ray",
-                       f"tq.backend.address={address}",
+        subprocess_cmd(tmp_path, "trainer=ddp_cpu", "recipe.num_steps=2", f"tq/backend={backend}",
+                       f"tq.backend.address={address}", f"tq.backend.store=ddp_recipe_{backend}",
                        # Ray refuses num_cpus when attaching to a running cluster.
-                       "tq.backend.ray_init.num_cpus=null", "++tq.backend.ray_init.log_to_driver=false",
-                       "tq.backend.store=ddp_recipe_test"),
+                       "tq.backend.ray_init.num_cpus=null", "++tq.backend.ray_init.log_to_driver=false"),
         cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=280, check=False)
     assert_one_process_update(proc, tmp_path, one_process)
 
