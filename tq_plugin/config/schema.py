@@ -28,6 +28,7 @@ LAYOUTS = ("padded", "packed")
 PACKING_MODES = ("none", "sequence_packing", "dynamic_batching")
 PIXEL_DTYPES = ("float32", "float16", "bfloat16")
 ALGORITHMS = ("ppo", "grpo")
+TOPOLOGIES = ("colocated", "disaggregated")
 # Attention kernels tq_plugin.rl.hf_model feeds a block-diagonal mask (packed rows) on CPU.
 HF_ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 
@@ -315,9 +316,22 @@ class RecipeConfig:
     log_every: int = 1
     # Write metrics.csv, resolved config and reward_curve.png into the output dir.
     save_artifacts: bool = True
+    # colocated: each step generates, then trains. disaggregated: rollout_workers processes
+    # generate ahead while the trainer trains (tq_plugin.rl.disaggregated; a shared backend).
+    topology: str = "colocated"
+    rollout_workers: int = 1
+    # disaggregated: no row trains whose weight_version lags the trainer's by more (RL steps).
+    max_staleness: int = 1
+    # disaggregated: truncated importance-sampling weight min(pi_old / pi_gen, is_truncation).
+    is_truncation: float = 2.0
 
     def __post_init__(self) -> None:
         _one_of("recipe.algorithm", self.algorithm, ALGORITHMS)
+        _one_of("recipe.topology", self.topology, TOPOLOGIES)
+        _positive("recipe.rollout_workers", self.rollout_workers)
+        _positive("recipe.max_staleness", self.max_staleness, allow_zero=True)
+        if self.is_truncation < 1.0:
+            _fail("recipe.is_truncation", "must be >= 1.0 (the weight of an on-policy token)")
         _positive("recipe.num_threads", self.num_threads, allow_zero=True)
         for key in ("num_steps", "prompts_per_step", "group_size", "ppo_epochs", "minibatches",
                     "lr", "max_new_tokens", "temperature", "log_every"):

@@ -59,6 +59,7 @@ from tq_plugin.lightning import MICROBATCH_INFO, DataPlaneCallback, MetaDataModu
 from tq_plugin.lightning.instantiators import instantiate_callbacks, instantiate_loggers
 from tq_plugin.rl import ranks
 from tq_plugin.rl.advantages import gae, group_relative, turn_end_rewards, whiten
+from tq_plugin.rl.disaggregated import Disaggregated
 from tq_plugin.rl.metrics import RESULT_FILE, MetricsLog, _Step
 from tq_plugin.rl.model_protocol import check_models
 from tq_plugin.rl.module import RLModule
@@ -128,8 +129,11 @@ class RLRecipe:
         self.generator = torch.Generator().manual_seed(self.rc.seed + 1009)
         self.summary: dict[str, Any] | None = None
         self._setup_models()
+        self.disaggregated = Disaggregated(self) if self.rc.topology == "disaggregated" else None
         self._setup_trainer()
         self.metrics = MetricsLog(self.output_dir, packing=self.packing.mode)
+        if self.disaggregated is not None:  # rollout workers; metrics gain their columns
+            self.metrics = self.disaggregated.metrics_log(self.metrics)
         self.module.step_hook = self._after_microbatch
         self.sink = self.reassembler = self.worker = None
 
@@ -160,7 +164,8 @@ class RLRecipe:
         self.sigterm_checkpoint = self.output_dir / "checkpoints" / "sigterm.ckpt"
         max_steps = self.rc.num_steps * self.rc.ppo_epochs * self.rc.minibatches
         self.sigterm = SigtermStop(self.sigterm_checkpoint)
-        callbacks = [self.callback, self.step_callback, self.sigterm, *instantiate_callbacks(
+        callbacks = [self.callback, self.step_callback, self.sigterm,
+                     *([self.disaggregated] if self.disaggregated else []), *instantiate_callbacks(
             self.cfg.get("callbacks"),
             progress_bar=bool(self.cfg.trainer.get("enable_progress_bar", True)))]
         self.trainer = instantiate(self.cfg.trainer, max_steps=max_steps,
@@ -212,6 +217,8 @@ class RLRecipe:
         ``ddp_spawn``). Returns the step meta, or under DDP on the embedded store this rank's
         shard of it.
         """
+        if getattr(self, "disaggregated", None) is not None:
+            return self.disaggregated.prepare_step(step)
         if self.worker is None:
             self._setup_data_path()
         m = self.module

@@ -68,7 +68,10 @@ class RolloutWorker:
         prompts: int,
         group_size: int,
         generator: torch.Generator,
+        weight_version: int | None = None,
     ) -> RolloutBatch:
+        """``weight_version``: stamped on every staged call (default ``step``: colocated runs
+        generate with the weights of the step they train)."""
         task = self.task
         episodes = [e for e in task.sample(prompts, generator) for _ in range(group_size)]
         n = len(episodes)
@@ -108,7 +111,8 @@ class RolloutWorker:
             for i in range(n):
                 record = make_staged_call_record(
                     admissions[i], prompt_ids=prompts_ids[i], generated_ids=tokens[i],
-                    generated_logprobs=logprobs[i], weight_version=step, prefix_token_ids=prefixes[i],
+                    generated_logprobs=logprobs[i], prefix_token_ids=prefixes[i],
+                    weight_version=step if weight_version is None else weight_version,
                 )
                 attachments = episodes[i].image if (task.media and turn == 0) else None
                 result = (self.sink.stage(record, attachments=attachments) if attachments

@@ -1,0 +1,364 @@
+"""``recipe.topology=disaggregated``: rollout workers generate ahead while the trainer trains.
+
+``recipe.rollout_workers=K`` processes (``tq_plugin.rl.workers``) generate continuously, each
+with the newest weights it has, every call staged through ``TQTokenSink`` and every finished
+group written as training rows by ``RolloutReassembler``, into the trainer's shared store. The
+trainer never runs a rollout: each RL step (the ``MetaDataModule``'s step source) claims ready
+rows through the task-mediated claims (``claim_meta``, task ``async_ready``), so it waits only
+when no chunk is ready. What it does with them:
+
+1. **staleness** (``recipe.max_staleness=S``): a chunk of rows generated with weights of
+   version ``v`` trains at step ``s`` only if ``s - v <= S``; a staler chunk is cleared and
+   counted (``rows_dropped_stale``), and a replacement is ordered. Versions count RL steps:
+   the trainer publishes version ``s + 1`` (its flat parameters, through the data plane) once
+   step ``s``'s last microbatch has trained; workers load the newest before each ticket.
+   Lightning prepares step ``s + 1`` before step ``s``'s last microbatch trains, so generation
+   that overlaps training lags by at least one step: ``S >= 1``.
+2. ``prev_logprobs`` (the policy the step starts from), advantages (as colocated), then the
+   **importance-sampling correction**: each action token's advantage is multiplied by
+   ``w = min(exp(prev_logprobs - generation_logprobs), recipe.is_truncation)``. The weight is
+   positive, so this multiplies the token's clipped policy-gradient term by ``w``
+   (``min(r A w, clip(r) A w) = w min(r A, clip(r) A)``): tokens the staler engine made likelier
+   than the trainer's policy would are down-weighted, the rest count up to the cap. On fresh
+   rows ``w`` is 1 (the logprob gap of a colocated run is ~0).
+
+Tickets (``tq_plugin.rl.staleness.TicketLedger``): the trainer orders chunks of
+``prompts_per_step / K`` prompts (whole groups) aimed at steps up to ``s + S``, each to the
+least-loaded live worker. A worker that dies is reported (stderr and ``workers_lost`` in
+``result.json``); the rows it delivered stay in the store and train, the tickets it had not
+delivered go to the others, and once no worker is left the run stops with an error. The trainer
+stopping (end of fit, an exception, SIGTERM) stops the workers; a worker whose parent is gone
+exits on its own.
+
+metrics.csv gains ``staleness_max``, ``staleness_mean``, ``rows_dropped_stale``,
+``trainer_wait_s`` (time blocked in claims), ``rollout_calls_per_s`` (staged calls delivered
+per second of the step's wall time) and ``workers_alive``.
+
+Requires a store shared across processes (``tq/backend=ray`` or ``tq/backend=transferqueue``)
+and one trainer process; the embedded ``local`` store cannot be reached from a worker process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+from hydra.utils import get_class
+from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
+
+from tq_plugin.data_plane import (
+    ADVANTAGES,
+    GENERATION_LOGPROBS,
+    PREV_LOGPROBS,
+    SAMPLE_MASK,
+    TOKEN_MASK,
+    TOTAL_REWARD,
+    KVBatchMeta,
+)
+from tq_plugin.lightning import MICROBATCH_INFO
+from tq_plugin.rl.metrics import MetricsLog, _Step
+from tq_plugin.rl.staleness import StalenessFilter, Ticket, TicketLedger, truncated_is_weights
+from tq_plugin.rl.workers import (
+    CALLS_TAG,
+    FAILED_TAG,
+    GENERATE_TASK,
+    TICKET_FIELDS,
+    TICKET_TAG,
+    VERSION_TAG,
+    WEIGHT_VERSION,
+    WEIGHTS,
+    WEIGHTS_PARTITION,
+    WorkerSpec,
+    publish_weights,
+    tickets_partition,
+    worker_main,
+)
+
+log = logging.getLogger(__name__)
+READY_TASK = "async_ready"
+TURN_REWARDS = "turn_rewards"
+ASYNC_COLUMNS = ("staleness_max", "staleness_mean", "rows_dropped_stale", "trainer_wait_s",
+                 "rollout_calls_per_s", "workers_alive")
+
+
+@dataclasses.dataclass
+class _AsyncStep(_Step):
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def row(self) -> dict[str, Any]:
+        return {**super().row(), **{k: self.extra.get(k, 0) for k in ASYNC_COLUMNS}}
+
+
+class AsyncMetricsLog(MetricsLog):
+    """``MetricsLog`` whose rows carry the disaggregated columns (set by ``prepare_step``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.pending: dict[int, dict[str, Any]] = {}
+        self.run_totals: dict[str, Any] = {}
+
+    def on_step_ready(self, step: int, **kwargs: Any) -> None:
+        super().on_step_ready(step, **kwargs)
+        base = self.steps[-1]
+        row = _AsyncStep(**{f.name: getattr(base, f.name) for f in dataclasses.fields(_Step)},
+                         extra=self.pending.pop(step, {}))
+        self.steps[-1] = self._by_step[step] = row
+
+    def summary(self, dp_total_bytes: int) -> dict[str, Any]:
+        out = super().summary(dp_total_bytes)
+        extras = [s.extra for s in self.steps if isinstance(s, _AsyncStep)]
+        out.update(self.run_totals)
+        out["staleness_max"] = max((e.get("staleness_max", 0) for e in extras), default=0)
+        out["trainer_wait_s"] = round(sum(e.get("trainer_wait_s", 0.0) for e in extras), 3)
+        return out
+
+
+def check_disaggregated(cfg: Any) -> None:
+    """Refuse what the disaggregated topology cannot run, before anything starts."""
+    rc = cfg.recipe
+    if rc.max_staleness < 1:
+        raise ValueError(
+            f"recipe.max_staleness={rc.max_staleness}: topology=disaggregated needs >= 1 (rows "
+            "generated while the trainer trains lag it by one step; colocated is on-policy)")
+    backend = cfg.tq.backend
+    if not getattr(get_class(backend._target_), "shared", False):
+        raise ValueError(
+            f"recipe.topology=disaggregated needs a store shared across processes: use "
+            f"tq/backend=ray or tq/backend=transferqueue (tq.backend._target_="
+            f"{backend._target_} is embedded in the trainer process)")
+    if cfg.get("ckpt_path"):
+        raise ValueError("recipe.topology=disaggregated does not resume from ckpt_path yet")
+    if cfg.trainer.get("strategy") not in (None, "auto") or cfg.trainer.get("devices", 1) not in (1, "auto"):
+        raise ValueError("recipe.topology=disaggregated runs one trainer process (trainer=cpu); "
+                         f"got trainer.strategy={cfg.trainer.get('strategy')}, "
+                         f"devices={cfg.trainer.get('devices')}")
+
+
+class Disaggregated(Callback):
+    """The trainer side: starts and stops the workers, claims each step's rows, publishes weights.
+
+    Built by ``RLRecipe.setup`` when ``recipe.topology=disaggregated``; a Lightning callback of
+    the recipe's trainer (publish after each step's last microbatch, stop the workers when the
+    fit ends or fails).
+    """
+
+    def __init__(self, recipe: Any) -> None:
+        check_disaggregated(recipe.cfg)
+        self.recipe = recipe
+        rc = self.rc = recipe.rc
+        self.rows_per_step = rc.prompts_per_step * rc.group_size
+        k = rc.rollout_workers
+        self.chunk_prompts = rc.prompts_per_step // k if rc.prompts_per_step % k == 0 else rc.prompts_per_step
+        self.ledger = TicketLedger(workers=k, chunks_per_step=rc.prompts_per_step // self.chunk_prompts,
+                                   max_staleness=rc.max_staleness)
+        self.filter = StalenessFilter(rc.max_staleness)
+        self.buffer: list[KVBatchMeta] = []  # claimed chunks not trained yet, one meta each
+        self.procs: list[Any] = []
+        self.stop_event: Any = None
+        self.client: Any = None
+        self.workers_lost = 0
+        self._last_ready = None
+
+    def metrics_log(self, base: MetricsLog) -> AsyncMetricsLog:
+        return AsyncMetricsLog(base.output_dir, packing=base.packing)
+
+    # ------------------------------------------------------------------ workers
+    def start(self, client: Any) -> None:
+        """Register the exchange partitions, publish version 0, start the worker processes."""
+        self.client = client
+        rc = self.rc
+        client.register_partition(WEIGHTS_PARTITION, [WEIGHTS, WEIGHT_VERSION])
+        client.register_partition(rc.train_partition, [], consumer_tasks=[READY_TASK])
+        for k in range(rc.rollout_workers):
+            client.register_partition(tickets_partition(k), list(TICKET_FIELDS),
+                                      consumer_tasks=[GENERATE_TASK])
+        publish_weights(client, self.recipe.module.policy, 0)
+        ctx = mp.get_context("spawn")
+        self.stop_event = ctx.Event()
+        for k in range(rc.rollout_workers):
+            spec = WorkerSpec(index=k, client=client, cfg=self.recipe.cfg, parent_pid=os.getpid())
+            proc = ctx.Process(target=worker_main, args=(spec, self.stop_event), daemon=True,
+                               name=f"tq-rollout-{k}")
+            proc.start()
+            self.procs.append(proc)
+        self._last_ready = time.perf_counter()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop every worker this trainer started (idempotent): ask, then terminate, then kill."""
+        if self.stop_event is not None:
+            self.stop_event.set()
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(2.0)
+
+    def _send(self, tickets: list[Ticket]) -> None:
+        for t in tickets:
+            self.client.put_samples(
+                [f"t{t.ticket}"], tickets_partition(t.worker),
+                fields={"ticket": torch.tensor([t.ticket]), "target": torch.tensor([t.target]),
+                        "min_version": torch.tensor([t.min_version]),
+                        "prompts": torch.tensor([self.chunk_prompts])})
+
+    def _check_workers(self) -> None:
+        for k, proc in enumerate(self.procs):
+            if k in self.ledger.alive and proc.exitcode is not None:
+                self._claim(blocking=False)  # book what it delivered before reassigning
+                msg = (f"[tq_plugin] rollout worker {k} (pid {proc.pid}) died with exit code "
+                       f"{proc.exitcode}; ")
+                self.workers_lost += 1
+                try:
+                    reissued = self.ledger.worker_lost(k)
+                except RuntimeError as e:
+                    print(msg + "none left", file=sys.stderr, flush=True)
+                    raise RuntimeError(f"recipe.topology=disaggregated: {e}") from None
+                print(msg + f"continuing on {len(self.ledger.alive)}, {len(reissued)} "
+                      "undelivered tickets reassigned", file=sys.stderr, flush=True)
+                log.error(msg)
+                self._send(reissued)
+
+    # ------------------------------------------------------------------ rows
+    def _claim(self, *, blocking: bool) -> float:
+        """Claim ready rows into the buffer, one meta per ticket; returns the seconds waited."""
+        t0 = time.perf_counter()
+        try:
+            meta = self.client.claim_meta(self.rc.train_partition, READY_TASK, [WEIGHT_VERSION],
+                                          batch_size=self.rows_per_step, blocking=blocking,
+                                          timeout_s=0.5)
+        except TimeoutError:
+            return time.perf_counter() - t0
+        waited = time.perf_counter() - t0
+        by_ticket: dict[int, list[int]] = {}
+        for i, tag in enumerate(meta.tags or []):
+            by_ticket.setdefault(int(tag[TICKET_TAG]), []).append(i)
+        for ticket, rows in by_ticket.items():
+            chunk = meta.subset(rows)
+            if chunk.size != self.chunk_prompts * self.rc.group_size:
+                raise RuntimeError(f"ticket {ticket}: claimed {chunk.size} rows, expected "
+                                   f"{self.chunk_prompts * self.rc.group_size} (whole groups)")
+            self.ledger.delivered(ticket)
+            self.buffer.append(chunk)
+        self.buffer.sort(key=lambda m: m.tags[0][VERSION_TAG])  # oldest first: least dropped
+        return waited
+
+    def collect(self, step: int) -> tuple[list[KVBatchMeta], dict[str, Any]]:
+        """This step's chunks (``rows_per_step`` rows, whole groups) and their figures."""
+        self._send(self.ledger.issue(step))
+        chunks: list[KVBatchMeta] = []
+        have = dropped = calls = failed = 0
+        waited = 0.0
+        while True:
+            while self.buffer and have < self.rows_per_step:
+                chunk = self.buffer.pop(0)
+                tag = chunk.tags[0]
+                calls += int(tag[CALLS_TAG])
+                if not self.filter.admits(step, int(tag[VERSION_TAG]), chunk.size):
+                    self.client.clear_samples(chunk.sample_ids, self.rc.train_partition)
+                    dropped += chunk.size
+                    self._send(self.ledger.replace(step, 1))
+                    continue
+                failed += int(tag[FAILED_TAG])
+                chunks.append(chunk)
+                have += chunk.size
+            if have >= self.rows_per_step:
+                break
+            self._check_workers()
+            waited += self._claim(blocking=True)
+        lags = [step - int(c.tags[0][VERSION_TAG]) for c in chunks for _ in range(c.size)]
+        now = time.perf_counter()
+        figures = {
+            "staleness_max": max(lags), "staleness_mean": round(sum(lags) / len(lags), 4),
+            "rows_dropped_stale": dropped, "trainer_wait_s": round(waited, 4),
+            "rollout_calls_per_s": round(calls / max(now - self._last_ready, 1e-9), 2),
+            "workers_alive": len(self.ledger.alive), "failed_calls": failed,
+        }
+        self._last_ready = now
+        return chunks, figures
+
+    def prepare_step(self, step: int) -> KVBatchMeta:
+        """The step source under the disaggregated topology (see the module docstring)."""
+        from tq_plugin.rl.recipe import RL_STEP
+
+        recipe, m = self.recipe, self.recipe.module
+        if self.client is None:
+            self.start(m.dp_client)
+        t0 = time.perf_counter()
+        chunks, figures = self.collect(step)
+        t1 = time.perf_counter()
+        meta = chunks[0].concat(*chunks[1:])
+        meta = dataclasses.replace(meta, task_name="train", extra_info={})
+        m.forward_pass(meta, role="policy", step=step)
+        if recipe.ppo:
+            m.forward_pass(meta, role="value", step=step)
+        recipe._write_advantages(meta)
+        self._correct(meta)
+        actions, lp_gap = recipe._check_rows(meta)
+        td = m.read_from_dataplane(meta, select_fields=[TOTAL_REWARD, TURN_REWARDS])
+        turns = recipe.task.turns
+        meta.extra_info[RL_STEP] = {
+            "loss_norm": max(1, actions // self.rc.minibatches),
+            "rewards": td[TOTAL_REWARD].tolist(),
+            "turn_scores": (td[TURN_REWARDS] * turns).tolist(),
+            "rollout_s": t1 - t0, "prepare_s": time.perf_counter() - t1,
+            "failed_calls": figures.pop("failed_calls"), "lp_gap": lp_gap,
+        }
+        recipe.metrics.pending[step] = figures
+        recipe.metrics.run_totals = {
+            "topology": "disaggregated", "rollout_workers": self.rc.rollout_workers,
+            "max_staleness": self.rc.max_staleness, "rows_dropped_stale": self.filter.rows_dropped,
+            "workers_lost": self.workers_lost, "collect_s_total": round(
+                recipe.metrics.run_totals.get("collect_s_total", 0.0) + t1 - t0, 3)}
+        return meta
+
+    def _correct(self, meta: KVBatchMeta) -> None:
+        """Multiply each action token's advantage by its truncated IS weight (module docstring)."""
+        m = self.recipe.module
+        td = m.read_from_dataplane(meta, select_fields=[
+            TOKEN_MASK, SAMPLE_MASK, GENERATION_LOGPROBS, PREV_LOGPROBS, ADVANTAGES])
+        mask = td[TOKEN_MASK] * td[SAMPLE_MASK].unsqueeze(1)
+        w = truncated_is_weights(td[PREV_LOGPROBS], td[GENERATION_LOGPROBS], mask,
+                                 self.rc.is_truncation)
+        m.write_to_dataplane(meta, {ADVANTAGES: td[ADVANTAGES] * w})
+
+    # ------------------------------------------------------------------ Lightning hooks
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.world_size > 1:
+            raise ValueError("recipe.topology=disaggregated runs one trainer process; got "
+                             f"{trainer.world_size} ranks")
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        info = pl_module.dp_meta.extra_info[MICROBATCH_INFO]
+        if info["last_in_step"] and self.client is not None:
+            publish_weights(self.client, pl_module.policy, int(info["step"]) + 1)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.stop()
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule,
+                     exception: BaseException) -> None:
+        self.stop()
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self.stop()
+
+
+__all__ = ["AsyncMetricsLog", "Disaggregated", "check_disaggregated"]

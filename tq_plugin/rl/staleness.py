@@ -1,0 +1,144 @@
+"""The bookkeeping of asynchronous RL, free of processes: who generates what, how stale a row
+may be, and how off-policy tokens are weighted. ``tq_plugin.rl.disaggregated`` drives it; the
+property tests drive it under random worker speeds.
+
+Versions count RL steps: the trainer's version while it prepares and trains step ``s`` is ``s``
+(the policy after ``s`` finished steps); it publishes version ``s + 1`` once step ``s``'s last
+microbatch has trained. A row's staleness is ``trainer_version - row.weight_version``.
+
+* ``TicketLedger``: the trainer's orders to the rollout workers. A ticket asks for ``prompts``
+  prompts (``group_size`` rollouts each) aimed at training step ``target``; a worker starts it
+  only with weights of version ``>= target - max_staleness``, so a ticket trained at its target
+  step is within the bound by construction. Tickets are assigned to the least-loaded live worker;
+  a dead worker's undelivered tickets are reassigned under new numbers (rows it delivered stay).
+* ``StalenessFilter``: what the trainer checks anyway (a chunk may train later than its target:
+  workers finish out of order, a replacement is late). Chunks over the bound are dropped and
+  counted, never trained.
+* ``truncated_is_weights``: the per-token importance weight ``min(exp(prev - gen), cap)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class Ticket:
+    ticket: int  # unique per run; the rollout ids of its rows start with ``s{ticket}-``
+    target: int  # the training step it is aimed at
+    worker: int  # the worker it is assigned to
+    min_version: int  # the oldest weights it may be generated with: target - max_staleness
+
+
+@dataclass
+class TicketLedger:
+    """Tickets issued, delivered and outstanding, per worker.
+
+    ``issue(step)`` tops up the tickets aimed at steps ``<= step + max_staleness``
+    (``chunks_per_step`` per step); ``replace(step, n)`` orders ``n`` chunks for ``step`` itself
+    (to stand in for dropped or lost ones).
+    """
+
+    workers: int
+    chunks_per_step: int
+    max_staleness: int
+    next_ticket: int = 0
+    next_target: int = 0
+    outstanding: dict[int, Ticket] = field(default_factory=dict)
+    alive: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if self.workers < 1 or self.chunks_per_step < 1 or self.max_staleness < 0:
+            raise ValueError(f"TicketLedger: workers ({self.workers}) and chunks_per_step "
+                             f"({self.chunks_per_step}) must be >= 1, max_staleness "
+                             f"({self.max_staleness}) >= 0")
+        self.alive = set(range(self.workers))
+
+    def _least_loaded(self) -> int:
+        if not self.alive:
+            raise RuntimeError("no rollout worker is alive")
+        load = dict.fromkeys(sorted(self.alive), 0)
+        for t in self.outstanding.values():
+            load[t.worker] += 1
+        return min(load, key=load.__getitem__)
+
+    def _new(self, target: int) -> Ticket:
+        t = Ticket(self.next_ticket, target, self._least_loaded(),
+                   max(0, target - self.max_staleness))
+        self.next_ticket += 1
+        self.outstanding[t.ticket] = t
+        return t
+
+    def issue(self, step: int) -> list[Ticket]:
+        out = []
+        while self.next_target <= step + self.max_staleness:
+            out += [self._new(self.next_target) for _ in range(self.chunks_per_step)]
+            self.next_target += 1
+        return out
+
+    def replace(self, step: int, n: int) -> list[Ticket]:
+        return [self._new(step) for _ in range(n)]
+
+    def delivered(self, ticket: int) -> Ticket:
+        """Book a ticket's rows as arrived; ``KeyError`` for one never issued or already booked."""
+        return self.outstanding.pop(ticket)
+
+    def worker_lost(self, worker: int) -> list[Ticket]:
+        """Take ``worker`` out; its undelivered tickets, reissued to the others (new numbers,
+        same targets). ``RuntimeError`` when no worker is left."""
+        self.alive.discard(worker)
+        lost = [t for t in self.outstanding.values() if t.worker == worker]
+        for t in lost:
+            del self.outstanding[t.ticket]
+        if not self.alive:
+            raise RuntimeError(
+                f"every rollout worker has died ({self.workers} started); the run cannot continue")
+        return [self._new(t.target) for t in lost]
+
+
+@dataclass
+class StalenessFilter:
+    """Keeps chunks whose ``weight_version`` lags the trainer's by at most ``max_staleness``.
+
+    ``rows_dropped`` counts every row dropped over the run; ``kept`` the staleness of each row
+    let through (the step's ``staleness_max`` / ``staleness_mean``).
+    """
+
+    max_staleness: int
+    rows_dropped: int = 0
+
+    def staleness(self, trainer_version: int, weight_version: int) -> int:
+        lag = trainer_version - weight_version
+        if lag < 0:
+            raise ValueError(f"a row of weight_version {weight_version} is newer than the "
+                             f"trainer's version {trainer_version}")
+        return lag
+
+    def admits(self, trainer_version: int, weight_version: int, rows: int) -> bool:
+        if self.staleness(trainer_version, weight_version) > self.max_staleness:
+            self.rows_dropped += rows
+            return False
+        return True
+
+
+def truncated_is_weights(prev_logprobs: torch.Tensor, generation_logprobs: torch.Tensor,
+                         mask: torch.Tensor, cap: float) -> torch.Tensor:
+    """Per-token truncated importance weights ``min(pi_old / pi_gen, cap)``, 1 off the mask.
+
+    ``pi_old`` is the trainer's recomputation (``prev_logprobs``, the weights the step starts
+    from), ``pi_gen`` the engine's staged logprobs (the weights the worker had). Multiplying a
+    token's advantage by its weight multiplies its clipped policy-gradient term by it (the
+    weight is positive, so ``min(r A w, clip(r) A w) = w min(r A, clip(r) A)``).
+    """
+    if cap < 1.0:
+        raise ValueError(f"truncated_is_weights: cap must be >= 1.0, got {cap}")
+    if prev_logprobs.shape != generation_logprobs.shape or prev_logprobs.shape != mask.shape:
+        raise ValueError(f"truncated_is_weights: shapes differ: prev {tuple(prev_logprobs.shape)}, "
+                         f"generation {tuple(generation_logprobs.shape)}, mask {tuple(mask.shape)}")
+    log_ratio = (prev_logprobs - generation_logprobs).clamp(max=float(torch.tensor(cap).log()))
+    return torch.where(mask > 0, log_ratio.exp(), torch.ones_like(log_ratio))
+
+
+__all__ = ["StalenessFilter", "Ticket", "TicketLedger", "truncated_is_weights"]

@@ -1,0 +1,159 @@
+"""Rollout-worker processes of the disaggregated topology (``recipe.topology=disaggregated``).
+
+Each worker is one process (``multiprocessing`` spawn, one torch thread) attached to the
+trainer's shared store (the pickled ``RayDataPlane`` client re-attaches by name). Everything it
+exchanges with the trainer goes through that store:
+
+* **tickets** (partition ``rollout_tickets_w{k}``, task ``generate``): the trainer's orders,
+  claimed one at a time. A ticket names its prompts, the training step it aims at and the
+  oldest weights it may be generated with (``min_version``; see ``tq_plugin.rl.staleness``);
+* **weights** (partition ``policy_weights``): one row per version (``v{n}``: the flat parameter
+  vector and its ``weight_version``). Before each ticket the worker loads the newest version,
+  waiting until it is at least the ticket's ``min_version``;
+* **rows**: the worker stages every call through ``TQTokenSink`` (``RolloutWorker`` stamps the
+  weights' version on each), hands the finished groups to ``RolloutReassembler`` (which writes
+  the training rows), then writes ``turn_rewards`` and the per-row ``weight_version`` in one
+  more put, tagged with the ticket. That put is the rows' ready signal: the trainer claims rows
+  whose ``weight_version`` is written, so it never sees a chunk half done.
+
+Ray is not imported here (only the backend adapters may): the worker processes are plain OS
+processes, and everything Ray-specific happens inside the client.
+
+A worker stops when the trainer sets its stop event, when its parent process is gone, or on
+an error (its traceback goes to stderr and its exit code tells the trainer it died).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+WEIGHTS_PARTITION = "policy_weights"
+WEIGHTS = "weights"
+WEIGHT_VERSION = "weight_version"
+TICKET_FIELDS = ("ticket", "target", "min_version", "prompts")
+GENERATE_TASK = "generate"
+# Tags on each training row the worker delivers (the trainer reads them from its claim).
+TICKET_TAG, VERSION_TAG, CALLS_TAG, FAILED_TAG = "ticket", "weight_version", "calls", "failed_calls"
+
+
+def tickets_partition(worker: int) -> str:
+    return f"rollout_tickets_w{worker}"
+
+
+def weights_id(version: int) -> str:
+    return f"v{version}"
+
+
+def newest_weights(client: Any) -> int | None:
+    """The newest version in the weights partition (None before the first publish)."""
+    versions = [int(i[1:]) for i in client.list_sample_ids(WEIGHTS_PARTITION)]
+    return max(versions) if versions else None
+
+
+def publish_weights(client: Any, model: torch.nn.Module, version: int, *, keep: int = 2) -> None:
+    """Put ``model``'s parameters as version ``version``; drop versions older than ``keep``."""
+    flat = parameters_to_vector([p.detach() for p in model.parameters()]).float().unsqueeze(0)
+    client.put_samples([weights_id(version)], WEIGHTS_PARTITION,
+                       fields={WEIGHTS: flat, WEIGHT_VERSION: torch.tensor([version])})
+    old = [i for i in client.list_sample_ids(WEIGHTS_PARTITION) if int(i[1:]) <= version - keep]
+    if old:
+        client.clear_samples(old, WEIGHTS_PARTITION)
+
+
+@dataclass
+class WorkerSpec:
+    """What a worker process is built from (pickled to it)."""
+
+    index: int
+    client: Any  # a shared-store client; pickles to an attach-by-name
+    cfg: Any  # the run's DictConfig (task, model, tq.staging, recipe)
+    parent_pid: int
+
+
+def _build(spec: WorkerSpec) -> tuple[Any, Any, Any, Any]:
+    from tq_plugin.rl.rollout import RolloutWorker
+    from tq_plugin.rl.task import IMG, PAD
+    from tq_plugin.staging import RolloutReassembler
+
+    cfg, rc = spec.cfg, spec.cfg.recipe
+    media = bool(cfg.tq.staging.capture_media)
+    task = instantiate(cfg.task, media=media, seed=rc.seed)
+    policy = instantiate(cfg.model, output_token_ids=task.output_token_ids,
+                         vocab_size=task.vocab_size, image_token_id=IMG,
+                         patch_dim=task.patch_dim if media else None)
+    sink = instantiate(cfg.tq.staging)(spec.client)
+    rollout = RolloutWorker(task=task, sink=sink, temperature=rc.temperature,
+                            max_new_tokens=rc.max_new_tokens)
+    reassembler = RolloutReassembler(spec.client, staging_partition=sink.staging_partition,
+                                     capture_media=media, pad_token_id=PAD, clear_staged=True)
+    return task, policy, rollout, reassembler
+
+
+class _Weights:
+    """The worker's copy of the policy and the version it holds."""
+
+    def __init__(self, client: Any, policy: torch.nn.Module) -> None:
+        self.client, self.policy, self.version = client, policy, -1
+
+    def refresh(self, need: int, stop: Any) -> bool:
+        """Load the newest version once it is ``>= need``; False when told to stop first."""
+        while not stop.is_set():
+            newest = newest_weights(self.client)
+            if newest is not None and newest >= need:
+                if newest == self.version:
+                    return True
+                try:
+                    td = self.client.get_samples([weights_id(newest)], WEIGHTS_PARTITION, [WEIGHTS])
+                except KeyError:  # replaced by a newer version between the listing and the read
+                    continue
+                vector_to_parameters(td[WEIGHTS][0], self.policy.parameters())
+                self.version = newest
+                return True
+            time.sleep(0.002)
+        return False
+
+
+def worker_main(spec: WorkerSpec, stop: Any) -> None:
+    """A worker process's loop: claim a ticket, refresh weights, generate, deliver."""
+    torch.set_num_threads(1)
+    client, rc = spec.client, spec.cfg.recipe
+    task, policy, rollout, reassembler = _build(spec)
+    weights = _Weights(client, policy)
+    partition = tickets_partition(spec.index)
+    while not stop.is_set() and os.getppid() == spec.parent_pid:
+        try:
+            meta = client.claim_meta(partition, GENERATE_TASK, list(TICKET_FIELDS), batch_size=1,
+                                     blocking=True, timeout_s=0.2)
+        except TimeoutError:
+            continue
+        except Exception:
+            if stop.is_set():  # the trainer closed the store while we waited
+                return
+            raise
+        order = client.get_data(meta, list(TICKET_FIELDS))
+        ticket, target, min_version, prompts = (int(order[f][0]) for f in TICKET_FIELDS)
+        if not weights.refresh(min_version, stop):
+            return
+        generator = torch.Generator().manual_seed(rc.seed * 1_000_003 + 7919 * ticket + 1)
+        batch = rollout.run(policy, step=ticket, prompts=prompts, group_size=rc.group_size,
+                            generator=generator, weight_version=weights.version)
+        rows = reassembler.finalize_group(batch.receipts, partition_id=rc.train_partition)
+        n = rows.size
+        tag = {TICKET_TAG: ticket, VERSION_TAG: weights.version, CALLS_TAG: batch.staged_calls,
+               FAILED_TAG: batch.failed_calls, "target": target, "worker": spec.index}
+        client.put_samples(
+            rows.sample_ids, rc.train_partition,
+            fields={"turn_rewards": batch.turn_scores / task.turns,
+                    WEIGHT_VERSION: torch.full((n,), weights.version, dtype=torch.int64)},
+            tags=[tag] * n)
+        client.clear_samples(meta.sample_ids, partition)
+
+
+__all__ = ["WorkerSpec", "newest_weights", "publish_weights", "tickets_partition", "worker_main"]
