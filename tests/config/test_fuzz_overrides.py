@@ -18,6 +18,7 @@ import dataclasses
 import pytest
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import ConfigCompositionException
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
@@ -63,10 +64,13 @@ def override_sets(draw):
 
 
 def _compose(overrides: list[str]):
+    """Compose as a run does (HydraConfig set: validate_config sees the overrides)."""
     GlobalHydra.instance().clear()
     try:
         with initialize_config_module(config_module="tq_plugin.conf", version_base="1.3"):
-            return compose("train", overrides=overrides)
+            cfg = compose("train", overrides=overrides, return_hydra_config=True)
+        HydraConfig().set_config(cfg)
+        return cfg
     finally:
         GlobalHydra.instance().clear()
 
@@ -76,6 +80,8 @@ def _compose(overrides: list[str]):
 @example(overrides=["tq.packing.train_mb_tokens=lots"])  # a wrong type: Hydra names the key
 @example(overrides=["tq.packing.train_mb_tokens=0"])  # a range rule: validate_config names it
 @example(overrides=["tq.packing.use_dynamic_batches=true"])  # both packing modes
+@example(overrides=["recipe.save_artifacts=-1"])  # found: OmegaConf made -1 a silent True
+@example(overrides=["tq.packing.name=true"])  # found: a bare true became the text 'True'
 def test_every_override_set_is_refused_naming_a_key_or_lands_typed(overrides):
     keys = [o.split("=", 1)[0] for o in overrides]
     try:

@@ -67,6 +67,7 @@ def validate_config(cfg: DictConfig) -> dict[str, Any]:
             + (f"Did you mean: {', '.join(hints)}? " if hints else "")
             + f"Known groups: {known}"
         )
+    _check_bool_overrides(cfg)
     typed: dict[str, Any] = {}
     for group, schema in SCHEMAS.items():
         dotted = group.replace("/", ".")
@@ -85,3 +86,37 @@ def validate_config(cfg: DictConfig) -> dict[str, Any]:
             raise ConfigError(f"{dotted}: unknown key(s) {unknown}")
         typed[dotted] = schema(**data)
     return typed
+
+
+# What a boolean key may be set to on the command line. OmegaConf would turn any number into a
+# bool (``recipe.save_artifacts=-1`` is True), and a bare true given to a text key into 'True':
+# silent casts, refused here instead.
+_BOOL_WORDS = frozenset({"true", "false"})
+
+
+def _check_bool_overrides(cfg: DictConfig) -> None:
+    """``ConfigError`` naming a boolean key set to anything but true/false on the command line.
+
+    Reads the run's overrides from Hydra (a run started by ``@hydra.main``, or a compose with
+    ``HydraConfig`` set); without them there is nothing to check.
+    """
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        overrides = list(HydraConfig.get().overrides.task)
+    except (ImportError, ValueError, AttributeError):
+        return
+    sections = {group.replace("/", "."): schema for group, schema in SCHEMAS.items()}
+    for override in overrides:
+        key, sep, raw = override.lstrip("+~").partition("=")
+        section, _, name = key.rpartition(".")
+        node = _node(cfg, section) if sep and section else None
+        declared = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
+        schema = declared if dataclasses.is_dataclass(declared) else sections.get(section)
+        field = getattr(schema, "__dataclass_fields__", {}).get(name)
+        word = raw.strip().lower()
+        if field is not None and field.type == "bool" and word not in _BOOL_WORDS:
+            raise ConfigError(f"{key}: must be true or false, got {raw!r}")
+        if field is not None and field.type.startswith("str") and word in _BOOL_WORDS:
+            # Hydra reads true as a bool and OmegaConf would store the text 'True'.
+            raise ConfigError(f"{key}: is text; quote it to mean the word ({key}='{raw}')")
