@@ -157,3 +157,24 @@ def test_claims_see_lengths_stored_in_the_object_store(store):
     td = store.get_data(meta)
     assert td["input_lengths"].tolist() == [0, 1, 2, 3]
     assert not store.check_consumption_status("train", ["actor"])
+
+
+def test_attaching_to_a_running_cluster_ignores_the_start_up_resources(store, ray_session):
+    """The shipped config's ray_init (num_cpus, dashboard) is for starting Ray; a process that
+    attaches with tq.backend.address must not pass it on (Ray refuses num_cpus from a joiner)."""
+    import subprocess
+    import sys
+
+    address = ray_session.get_runtime_context().gcs_address
+    store.register_partition("p", [])
+    store.put_samples(["a"], "p", {"r": torch.tensor([2.5])})
+    code = (
+        "from tq_plugin.data_plane.backends.ray_actor import RayDataPlane\n"
+        f"c = RayDataPlane({store.store!r}, actor_name='tq_plugin_tests', address={address!r},\n"
+        "                 ray_init={'num_cpus': 2, 'include_dashboard': False})\n"
+        "print(c.get_samples(['a'], 'p', ['r'])['r'].tolist())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "[2.5]" in out.stdout

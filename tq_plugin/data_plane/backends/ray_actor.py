@@ -82,10 +82,15 @@ def start_ray_on_loopback(address: str | None, namespace: str | None, ray_init: 
     in_opts = opts.pop("address", None)
     address = address or in_opts
     if address and address != "local":
+        # Attaching to a running cluster: its resources are set; Ray refuses them from a
+        # driver that joins (num_cpus, num_gpus, resources, object_store_memory...).
+        for key in ("num_cpus", "num_gpus", "resources", "object_store_memory",
+                    "include_dashboard", "dashboard_host", "_node_ip_address"):
+            opts.pop(key, None)
         host = address.rsplit(":", 1)[0]
         if host.startswith("127."):
             # A cluster on loopback: join it there too (Ray would pick the routable address).
-            opts.setdefault("_node_ip_address", host)
+            opts["_node_ip_address"] = host
         ray.init(address=address, namespace=namespace, **opts)
         return
     opts.setdefault("_node_ip_address", LOOPBACK_NODE_IP)
