@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -202,3 +203,41 @@ def test_the_golden_vector_call_stages_and_fetches_byte_exact(text_sink, text_so
     assert item.snapshot.model_dump() == record.model_dump(exclude={"extras"})
     item.fragment.verify(golden["extras_digest"])
     assert item.fragment.extras() == record.extras
+
+
+def test_fetch_hashes_each_row_once_over_the_arrays_read(
+    staged, text_source, monkeypatch
+) -> None:
+    """The source recomputes each digest over the fetched int64 / float32 arrays and hands it
+    to the snapshot's validation, which then does not hash the lists a second time."""
+    from tq_plugin.staging import records
+
+    def list_rehash(record):
+        raise AssertionError("the snapshot re-hashed its lists")
+
+    monkeypatch.setattr(records, "recompute_digest", list_rehash)
+    snapshots = text_source.fetch([r.staging_key for r in staged])
+    assert [s.digest for s in snapshots] == [r.digest for r in staged]
+
+
+def test_a_handed_digest_never_vouches_for_other_values(staged) -> None:
+    """Validation skips its own hash only for the digest the row carries; any other handed
+    digest, or columns that do not hash to the row's digest, get the usual check."""
+    from tq_plugin.staging.records import _DIGEST_RECOMPUTED, validated_snapshot
+
+    fields = staged[0].model_dump(exclude={"extras"})
+    logprobs = [*fields["generation_log_probs_delta"][:-1], -0.75]
+    tampered = {**fields, "generation_log_probs_delta": logprobs}
+    with pytest.raises(ValueError, match="digest does not match"):
+        StagedCallBaseSnapshot.model_validate(tampered, context={_DIGEST_RECOMPUTED: "0" * 64})
+    columns = {
+        "token_ids_delta": np.asarray(tampered["token_ids_delta"], dtype=np.int64),
+        "token_mask_delta": np.asarray(tampered["token_mask_delta"], dtype=np.float32),
+        "generation_log_probs_delta": np.asarray(logprobs, dtype=np.float32),
+    }
+    with pytest.raises(ValueError, match="digest does not match"):
+        validated_snapshot(StagedCallBaseSnapshot, tampered, columns)
+    good = {k: np.asarray(fields[k], dtype=v.dtype) for k, v in columns.items()}
+    assert validated_snapshot(StagedCallBaseSnapshot, fields, good).model_dump() == fields
+    with pytest.raises(ValueError, match="delta must contain at least one token"):
+        validated_snapshot(StagedCallBaseSnapshot, {**fields, "delta_len": 0}, good)

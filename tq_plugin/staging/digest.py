@@ -207,20 +207,7 @@ def float32_bytes(values: Any, name: str, *, check_types: bool = True) -> tuple[
     if isinstance(values, np.ndarray):
         if values.dtype.kind != "f" or values.ndim != 1:
             raise ValueError(f"{name} values must be a 1-D float column, got {values.dtype}")
-        finite = np.isfinite(values)
-        if not finite.all():
-            raise ValueError(
-                f"{name} values must be finite Python floats, got {_first_bad(values, finite)!r}"
-            )
-        with np.errstate(over="ignore"):
-            wire = values.astype(">f4")
-        fits = np.isfinite(wire)
-        if not fits.all():
-            raise ValueError(
-                f"{name} value cannot be represented as float32: "
-                f"{float(_first_bad(values, fits))!r}"
-            )
-        return values, wire.tobytes()
+        return values, _float32_of_exact(values, values, name)
     if type(values) is not list:
         values = _as_list(values, name, "floats")
     exact = _exact_column(values, _MARSHAL_FLOATS)
@@ -237,17 +224,17 @@ def float32_bytes(values: Any, name: str, *, check_types: bool = True) -> tuple[
 
 
 def _float32_of_exact(exact: np.ndarray, values: Any, name: str) -> bytes:
-    """Big-endian float32 bytes of float64 ``exact`` (``values``' own numbers): finite and
-    float32-representable, else a ValueError naming the first bad value."""
+    """Big-endian float32 bytes of the float array ``exact`` (``values``' own numbers): finite
+    and float32-representable, else a ValueError naming the first bad value."""
     # One pair of reductions catches all three faults: NaN propagates, inf and overflow
     # reach the float32 limit.
-    if exact.size and not -_F32_OVERFLOW < exact.min() <= exact.max() < _F32_OVERFLOW:
+    if exact.size and not -_F32_OVERFLOW < float(exact.min()) <= float(exact.max()) < _F32_OVERFLOW:
         finite = np.isfinite(exact)
         if not finite.all():
             raise ValueError(
                 f"{name} values must be finite Python floats, got {_first_bad(values, finite)!r}"
             )
-        bad = values[int(np.argmax(np.abs(exact) >= _F32_OVERFLOW))]
+        bad = float(values[int(np.argmax(np.abs(exact) >= _F32_OVERFLOW))])
         raise ValueError(f"{name} value cannot be represented as float32: {bad!r}")
     return exact.astype(">f4").tobytes()
 

@@ -44,7 +44,7 @@ from tq_plugin.staging.media import (
     StagedMediaTensors,
     media_from_row,
 )
-from tq_plugin.staging.records import StagedCallBaseSnapshot, staging_key
+from tq_plugin.staging.records import StagedCallBaseSnapshot, staging_key, validated_snapshot
 from tq_plugin.staging.store import (
     _CODE_TO_MODE,
     STAGING_FIELDS,
@@ -208,10 +208,18 @@ def _snapshot_fields(batch: _Batch, i: int) -> dict[str, Any]:
             raise ValueError(f"staged {column!r} must be 32 bytes, got {len(raw)}")
         present = True if flag is None else batch.bools(flag)[i]
         out[attr] = raw.hex() if present else None
-    out["token_ids_delta"] = batch.arrays(TOKEN_IDS_DELTA_FIELD)[i].tolist()
-    out["token_mask_delta"] = batch.arrays("token_mask_delta")[i].tolist()
-    out["generation_log_probs_delta"] = batch.arrays("generation_logprobs_delta")[i].tolist()
+    for attr, values in _snapshot_columns(batch, i).items():
+        out[attr] = values.tolist()
     return out
+
+
+def _snapshot_columns(batch: _Batch, i: int) -> dict[str, np.ndarray]:
+    """Row i's three digest-covered columns as the numpy arrays read (snapshot field names)."""
+    return {
+        "token_ids_delta": batch.arrays(TOKEN_IDS_DELTA_FIELD)[i],
+        "token_mask_delta": batch.arrays("token_mask_delta")[i],
+        "generation_log_probs_delta": batch.arrays("generation_logprobs_delta")[i],
+    }
 
 
 def _row_extras(batch: _Batch, i: int, *, verify_media: bool) -> dict[str, Any] | None:
@@ -336,7 +344,9 @@ class TQTokenSource:
         return [self._fetched(batch, i, key, include_route_fragments) for i, key in enumerate(keys)]
 
     def _fetched(self, batch: _Batch, i: int, key: str, with_routes: bool) -> FetchedStagedCall:
-        snapshot = self._snapshot_cls()(**_snapshot_fields(batch, i))
+        snapshot = validated_snapshot(
+            self._snapshot_cls(), _snapshot_fields(batch, i), _snapshot_columns(batch, i)
+        )
         if staging_key(snapshot.rollout_id, snapshot.model_call_id) != key:
             raise KeyError(
                 f"staged row identity mismatch: requested {key!r}, the row holds "
