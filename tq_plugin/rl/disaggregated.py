@@ -128,7 +128,7 @@ def check_disaggregated(cfg: Any) -> None:
             f"recipe.max_staleness={rc.max_staleness}: topology=disaggregated needs >= 1 (rows "
             "generated while the trainer trains lag it by one step; colocated is on-policy)")
     backend = cfg.tq.backend
-    if not getattr(get_class(backend._target_), "shared", False):
+    if getattr(get_class(backend._target_), "shared", False) is not True:  # a class attribute
         raise ValueError(
             f"recipe.topology=disaggregated needs a store shared across processes: use "
             f"tq/backend=ray or tq/backend=transferqueue (tq.backend._target_="
@@ -139,6 +139,127 @@ def check_disaggregated(cfg: Any) -> None:
         raise ValueError("recipe.topology=disaggregated runs one trainer process (trainer=cpu); "
                          f"got trainer.strategy={cfg.trainer.get('strategy')}, "
                          f"devices={cfg.trainer.get('devices')}")
+
+
+class ChunkCollector:
+    """The trainer's side of the exchange, without Lightning: orders chunks, books deliveries,
+    watches the workers and assembles each step's rows under the staleness bound.
+
+    ``procs[k]`` is worker ``k``'s process (anything with ``exitcode`` and ``pid``).
+    """
+
+    def __init__(self, client: Any, *, train_partition: str, prompts_per_step: int,
+                 group_size: int, workers: int, max_staleness: int, procs: list[Any]) -> None:
+        self.client = client
+        self.train_partition = train_partition
+        self.group_size = group_size
+        self.rows_per_step = prompts_per_step * group_size
+        self.chunk_prompts = prompts_per_step // workers if prompts_per_step % workers == 0 else prompts_per_step
+        self.chunk_rows = self.chunk_prompts * group_size
+        self.ledger = TicketLedger(workers=workers, chunks_per_step=prompts_per_step // self.chunk_prompts,
+                                   max_staleness=max_staleness)
+        self.filter = StalenessFilter(max_staleness)
+        self.buffer: list[KVBatchMeta] = []  # claimed chunks not trained yet, one meta each
+        self.procs = procs
+        self.workers_lost = 0
+        self.waited_s = 0.0
+        self._last_ready = time.perf_counter()
+
+    def register(self) -> None:
+        """The exchange partitions (before any worker starts)."""
+        self.client.register_partition(WEIGHTS_PARTITION, [WEIGHTS, WEIGHT_VERSION])
+        self.client.register_partition(self.train_partition, [], consumer_tasks=[READY_TASK])
+        for k in range(self.ledger.workers):
+            self.client.register_partition(tickets_partition(k), list(TICKET_FIELDS),
+                                           consumer_tasks=[GENERATE_TASK])
+
+    def send(self, tickets: list[Ticket]) -> None:
+        for t in tickets:
+            self.client.put_samples(
+                [f"t{t.ticket}"], tickets_partition(t.worker),
+                fields={"ticket": torch.tensor([t.ticket]), "target": torch.tensor([t.target]),
+                        "min_version": torch.tensor([t.min_version]),
+                        "prompts": torch.tensor([self.chunk_prompts])})
+
+    def check_workers(self) -> None:
+        """Report each newly dead worker and reassign its undelivered tickets; ``RuntimeError``
+        once none is left."""
+        for k, proc in enumerate(self.procs):
+            if k in self.ledger.alive and proc.exitcode is not None:
+                while self.claim(blocking=False):  # book what it delivered before reassigning
+                    pass
+                msg = (f"[tq_plugin] rollout worker {k} (pid {proc.pid}) died with exit code "
+                       f"{proc.exitcode}; ")
+                self.workers_lost += 1
+                try:
+                    reissued = self.ledger.worker_lost(k)
+                except RuntimeError as e:
+                    print(msg + "none left", file=sys.stderr, flush=True)
+                    raise RuntimeError(f"recipe.topology=disaggregated: {e}") from None
+                print(msg + f"continuing on {len(self.ledger.alive)}, {len(reissued)} "
+                      "undelivered tickets reassigned", file=sys.stderr, flush=True)
+                log.error(msg)
+                self.send(reissued)
+
+    def claim(self, *, blocking: bool) -> int:
+        """Claim ready rows into the buffer, one meta per ticket; returns the rows claimed.
+        The time spent blocked adds to ``waited_s``."""
+        t0 = time.perf_counter()
+        try:
+            meta = self.client.claim_meta(self.train_partition, READY_TASK, [WEIGHT_VERSION],
+                                          batch_size=self.rows_per_step, blocking=blocking,
+                                          timeout_s=0.5)
+        except TimeoutError:
+            meta = None
+        finally:
+            self.waited_s += time.perf_counter() - t0
+        if meta is None:
+            return 0
+        by_ticket: dict[int, list[int]] = {}
+        for i, tag in enumerate(meta.tags or []):
+            by_ticket.setdefault(int(tag[TICKET_TAG]), []).append(i)
+        for ticket, rows in by_ticket.items():
+            if len(rows) != self.chunk_rows:
+                raise RuntimeError(f"ticket {ticket}: claimed {len(rows)} rows, expected "
+                                   f"{self.chunk_rows} (whole groups)")
+            self.ledger.delivered(ticket)
+            self.buffer.append(meta.subset(rows))
+        self.buffer.sort(key=lambda m: m.tags[0][VERSION_TAG])  # oldest first: least dropped
+        return meta.size
+
+    def collect(self, step: int) -> tuple[list[KVBatchMeta], dict[str, Any]]:
+        """This step's chunks (``rows_per_step`` rows, whole groups) and their figures."""
+        self.send(self.ledger.issue(step))
+        chunks: list[KVBatchMeta] = []
+        have = dropped = calls = failed = 0
+        self.waited_s = 0.0
+        while True:
+            while self.buffer and have < self.rows_per_step:
+                chunk = self.buffer.pop(0)
+                tag = chunk.tags[0]
+                calls += int(tag[CALLS_TAG])
+                if not self.filter.admits(step, int(tag[VERSION_TAG]), chunk.size):
+                    self.client.clear_samples(chunk.sample_ids, self.train_partition)
+                    dropped += chunk.size
+                    self.send(self.ledger.replace(step, 1))
+                    continue
+                failed += int(tag[FAILED_TAG])
+                chunks.append(chunk)
+                have += chunk.size
+            if have >= self.rows_per_step:
+                break
+            self.check_workers()
+            self.claim(blocking=True)
+        lags = [step - int(c.tags[0][VERSION_TAG]) for c in chunks for _ in range(c.size)]
+        now = time.perf_counter()
+        figures = {
+            "staleness_max": max(lags), "staleness_mean": round(sum(lags) / len(lags), 4),
+            "rows_dropped_stale": dropped, "trainer_wait_s": round(self.waited_s, 4),
+            "rollout_calls_per_s": round(calls / max(now - self._last_ready, 1e-9), 2),
+            "workers_alive": len(self.ledger.alive), "failed_calls": failed,
+        }
+        self._last_ready = now
+        return chunks, figures
 
 
 class Disaggregated(Callback):
@@ -152,19 +273,11 @@ class Disaggregated(Callback):
     def __init__(self, recipe: Any) -> None:
         check_disaggregated(recipe.cfg)
         self.recipe = recipe
-        rc = self.rc = recipe.rc
-        self.rows_per_step = rc.prompts_per_step * rc.group_size
-        k = rc.rollout_workers
-        self.chunk_prompts = rc.prompts_per_step // k if rc.prompts_per_step % k == 0 else rc.prompts_per_step
-        self.ledger = TicketLedger(workers=k, chunks_per_step=rc.prompts_per_step // self.chunk_prompts,
-                                   max_staleness=rc.max_staleness)
-        self.filter = StalenessFilter(rc.max_staleness)
-        self.buffer: list[KVBatchMeta] = []  # claimed chunks not trained yet, one meta each
+        self.rc = recipe.rc
         self.procs: list[Any] = []
         self.stop_event: Any = None
         self.client: Any = None
-        self.workers_lost = 0
-        self._last_ready = None
+        self.collector: ChunkCollector | None = None
 
     def metrics_log(self, base: MetricsLog) -> AsyncMetricsLog:
         return AsyncMetricsLog(base.output_dir, packing=base.packing)
@@ -172,13 +285,13 @@ class Disaggregated(Callback):
     # ------------------------------------------------------------------ workers
     def start(self, client: Any) -> None:
         """Register the exchange partitions, publish version 0, start the worker processes."""
-        self.client = client
         rc = self.rc
-        client.register_partition(WEIGHTS_PARTITION, [WEIGHTS, WEIGHT_VERSION])
-        client.register_partition(rc.train_partition, [], consumer_tasks=[READY_TASK])
-        for k in range(rc.rollout_workers):
-            client.register_partition(tickets_partition(k), list(TICKET_FIELDS),
-                                      consumer_tasks=[GENERATE_TASK])
+        self.client = client
+        self.collector = ChunkCollector(
+            client, train_partition=rc.train_partition, prompts_per_step=rc.prompts_per_step,
+            group_size=rc.group_size, workers=rc.rollout_workers, max_staleness=rc.max_staleness,
+            procs=self.procs)
+        self.collector.register()
         publish_weights(client, self.recipe.module.policy, 0)
         ctx = mp.get_context("spawn")
         self.stop_event = ctx.Event()
@@ -188,7 +301,6 @@ class Disaggregated(Callback):
                                name=f"tq-rollout-{k}")
             proc.start()
             self.procs.append(proc)
-        self._last_ready = time.perf_counter()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop every worker this trainer started (idempotent): ask, then terminate, then kill."""
@@ -205,89 +317,6 @@ class Disaggregated(Callback):
                 proc.kill()
                 proc.join(2.0)
 
-    def _send(self, tickets: list[Ticket]) -> None:
-        for t in tickets:
-            self.client.put_samples(
-                [f"t{t.ticket}"], tickets_partition(t.worker),
-                fields={"ticket": torch.tensor([t.ticket]), "target": torch.tensor([t.target]),
-                        "min_version": torch.tensor([t.min_version]),
-                        "prompts": torch.tensor([self.chunk_prompts])})
-
-    def _check_workers(self) -> None:
-        for k, proc in enumerate(self.procs):
-            if k in self.ledger.alive and proc.exitcode is not None:
-                self._claim(blocking=False)  # book what it delivered before reassigning
-                msg = (f"[tq_plugin] rollout worker {k} (pid {proc.pid}) died with exit code "
-                       f"{proc.exitcode}; ")
-                self.workers_lost += 1
-                try:
-                    reissued = self.ledger.worker_lost(k)
-                except RuntimeError as e:
-                    print(msg + "none left", file=sys.stderr, flush=True)
-                    raise RuntimeError(f"recipe.topology=disaggregated: {e}") from None
-                print(msg + f"continuing on {len(self.ledger.alive)}, {len(reissued)} "
-                      "undelivered tickets reassigned", file=sys.stderr, flush=True)
-                log.error(msg)
-                self._send(reissued)
-
-    # ------------------------------------------------------------------ rows
-    def _claim(self, *, blocking: bool) -> float:
-        """Claim ready rows into the buffer, one meta per ticket; returns the seconds waited."""
-        t0 = time.perf_counter()
-        try:
-            meta = self.client.claim_meta(self.rc.train_partition, READY_TASK, [WEIGHT_VERSION],
-                                          batch_size=self.rows_per_step, blocking=blocking,
-                                          timeout_s=0.5)
-        except TimeoutError:
-            return time.perf_counter() - t0
-        waited = time.perf_counter() - t0
-        by_ticket: dict[int, list[int]] = {}
-        for i, tag in enumerate(meta.tags or []):
-            by_ticket.setdefault(int(tag[TICKET_TAG]), []).append(i)
-        for ticket, rows in by_ticket.items():
-            chunk = meta.subset(rows)
-            if chunk.size != self.chunk_prompts * self.rc.group_size:
-                raise RuntimeError(f"ticket {ticket}: claimed {chunk.size} rows, expected "
-                                   f"{self.chunk_prompts * self.rc.group_size} (whole groups)")
-            self.ledger.delivered(ticket)
-            self.buffer.append(chunk)
-        self.buffer.sort(key=lambda m: m.tags[0][VERSION_TAG])  # oldest first: least dropped
-        return waited
-
-    def collect(self, step: int) -> tuple[list[KVBatchMeta], dict[str, Any]]:
-        """This step's chunks (``rows_per_step`` rows, whole groups) and their figures."""
-        self._send(self.ledger.issue(step))
-        chunks: list[KVBatchMeta] = []
-        have = dropped = calls = failed = 0
-        waited = 0.0
-        while True:
-            while self.buffer and have < self.rows_per_step:
-                chunk = self.buffer.pop(0)
-                tag = chunk.tags[0]
-                calls += int(tag[CALLS_TAG])
-                if not self.filter.admits(step, int(tag[VERSION_TAG]), chunk.size):
-                    self.client.clear_samples(chunk.sample_ids, self.rc.train_partition)
-                    dropped += chunk.size
-                    self._send(self.ledger.replace(step, 1))
-                    continue
-                failed += int(tag[FAILED_TAG])
-                chunks.append(chunk)
-                have += chunk.size
-            if have >= self.rows_per_step:
-                break
-            self._check_workers()
-            waited += self._claim(blocking=True)
-        lags = [step - int(c.tags[0][VERSION_TAG]) for c in chunks for _ in range(c.size)]
-        now = time.perf_counter()
-        figures = {
-            "staleness_max": max(lags), "staleness_mean": round(sum(lags) / len(lags), 4),
-            "rows_dropped_stale": dropped, "trainer_wait_s": round(waited, 4),
-            "rollout_calls_per_s": round(calls / max(now - self._last_ready, 1e-9), 2),
-            "workers_alive": len(self.ledger.alive), "failed_calls": failed,
-        }
-        self._last_ready = now
-        return chunks, figures
-
     def prepare_step(self, step: int) -> KVBatchMeta:
         """The step source under the disaggregated topology (see the module docstring)."""
         from tq_plugin.rl.recipe import RL_STEP
@@ -296,7 +325,7 @@ class Disaggregated(Callback):
         if self.client is None:
             self.start(m.dp_client)
         t0 = time.perf_counter()
-        chunks, figures = self.collect(step)
+        chunks, figures = self.collector.collect(step)
         t1 = time.perf_counter()
         meta = chunks[0].concat(*chunks[1:])
         meta = dataclasses.replace(meta, task_name="train", extra_info={})
@@ -316,10 +345,11 @@ class Disaggregated(Callback):
             "failed_calls": figures.pop("failed_calls"), "lp_gap": lp_gap,
         }
         recipe.metrics.pending[step] = figures
+        c = self.collector
         recipe.metrics.run_totals = {
             "topology": "disaggregated", "rollout_workers": self.rc.rollout_workers,
-            "max_staleness": self.rc.max_staleness, "rows_dropped_stale": self.filter.rows_dropped,
-            "workers_lost": self.workers_lost, "collect_s_total": round(
+            "max_staleness": self.rc.max_staleness, "rows_dropped_stale": c.filter.rows_dropped,
+            "workers_lost": c.workers_lost, "collect_s_total": round(
                 recipe.metrics.run_totals.get("collect_s_total", 0.0) + t1 - t0, 3)}
         return meta
 
@@ -361,4 +391,4 @@ class Disaggregated(Callback):
         self.stop()
 
 
-__all__ = ["AsyncMetricsLog", "Disaggregated", "check_disaggregated"]
+__all__ = ["AsyncMetricsLog", "ChunkCollector", "Disaggregated", "check_disaggregated"]

@@ -48,6 +48,7 @@ class TicketLedger:
     next_target: int = 0
     outstanding: dict[int, Ticket] = field(default_factory=dict)
     alive: set[int] = field(default_factory=set)
+    reassigned: set[int] = field(default_factory=set)  # tickets of dead workers, reissued
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.chunks_per_step < 1 or self.max_staleness < 0:
@@ -81,8 +82,13 @@ class TicketLedger:
     def replace(self, step: int, n: int) -> list[Ticket]:
         return [self._new(step) for _ in range(n)]
 
-    def delivered(self, ticket: int) -> Ticket:
-        """Book a ticket's rows as arrived; ``KeyError`` for one never issued or already booked."""
+    def delivered(self, ticket: int) -> Ticket | None:
+        """Book a ticket's rows as arrived. ``None`` for one reassigned after its worker died
+        (its rows landed after all: they are kept, the replacement's rows too); ``KeyError`` for
+        one never issued or already booked."""
+        if ticket in self.reassigned:
+            self.reassigned.discard(ticket)
+            return None
         return self.outstanding.pop(ticket)
 
     def worker_lost(self, worker: int) -> list[Ticket]:
@@ -92,6 +98,7 @@ class TicketLedger:
         lost = [t for t in self.outstanding.values() if t.worker == worker]
         for t in lost:
             del self.outstanding[t.ticket]
+            self.reassigned.add(t.ticket)
         if not self.alive:
             raise RuntimeError(
                 f"every rollout worker has died ({self.workers} started); the run cannot continue")

@@ -4,12 +4,12 @@ Each worker is one process (``multiprocessing`` spawn, one torch thread) attache
 trainer's shared store (the pickled ``RayDataPlane`` client re-attaches by name). Everything it
 exchanges with the trainer goes through that store:
 
-* **tickets** (partition ``rollout_tickets_w{k}``, task ``generate``): the trainer's orders,
-  claimed one at a time. A ticket names its prompts, the training step it aims at and the
-  oldest weights it may be generated with (``min_version``; see ``tq_plugin.rl.staleness``);
+* **tickets** (partition ``rollout_tickets_w{k}``, task ``generate``): the trainer's orders. A
+  ticket names its prompts, the training step it aims at and the oldest weights it may be
+  generated with (``min_version``; see ``tq_plugin.rl.staleness``). The worker claims tickets as
+  they come and runs, of those it holds, the lowest target the newest weights allow;
 * **weights** (partition ``policy_weights``): one row per version (``v{n}``: the flat parameter
-  vector and its ``weight_version``). Before each ticket the worker loads the newest version,
-  waiting until it is at least the ticket's ``min_version``;
+  vector and its ``weight_version``). Before each ticket the worker loads the newest version;
 * **rows**: the worker stages every call through ``TQTokenSink`` (``RolloutWorker`` stamps the
   weights' version on each), hands the finished groups to ``RolloutReassembler`` (which writes
   the training rows), then writes ``turn_rewards`` and the per-row ``weight_version`` in one
@@ -102,58 +102,71 @@ class _Weights:
     def __init__(self, client: Any, policy: torch.nn.Module) -> None:
         self.client, self.policy, self.version = client, policy, -1
 
-    def refresh(self, need: int, stop: Any) -> bool:
-        """Load the newest version once it is ``>= need``; False when told to stop first."""
-        while not stop.is_set():
+    def load_newest(self) -> int:
+        """Load the newest published version if it is not the one held; the version held."""
+        while True:
             newest = newest_weights(self.client)
-            if newest is not None and newest >= need:
-                if newest == self.version:
-                    return True
-                try:
-                    td = self.client.get_samples([weights_id(newest)], WEIGHTS_PARTITION, [WEIGHTS])
-                except KeyError:  # replaced by a newer version between the listing and the read
-                    continue
-                vector_to_parameters(td[WEIGHTS][0], self.policy.parameters())
-                self.version = newest
-                return True
-            time.sleep(0.002)
-        return False
+            if newest is None or newest == self.version:
+                return self.version
+            try:
+                td = self.client.get_samples([weights_id(newest)], WEIGHTS_PARTITION, [WEIGHTS])
+            except KeyError:  # replaced by a newer version between the listing and the read
+                continue
+            vector_to_parameters(td[WEIGHTS][0], self.policy.parameters())
+            self.version = newest
+            return newest
+
+
+def next_ticket(held: list[dict[str, int]], newest: int | None) -> dict[str, int] | None:
+    """The held ticket to run now: the lowest target among those the newest weights may
+    generate (``min_version <= newest``). A ticket still waiting for weights never blocks one
+    behind it (a reassigned ticket may be needed before the next version can exist)."""
+    runnable = [t for t in held if newest is not None and t["min_version"] <= newest]
+    return min(runnable, key=lambda t: (t["target"], t["ticket"])) if runnable else None
 
 
 def worker_main(spec: WorkerSpec, stop: Any) -> None:
-    """A worker process's loop: claim a ticket, refresh weights, generate, deliver."""
+    """A worker process's loop: claim tickets, pick a runnable one, generate with the newest
+    weights, deliver."""
     torch.set_num_threads(1)
     client, rc = spec.client, spec.cfg.recipe
     task, policy, rollout, reassembler = _build(spec)
     weights = _Weights(client, policy)
     partition = tickets_partition(spec.index)
+    held: list[dict[str, int]] = []
     while not stop.is_set() and os.getppid() == spec.parent_pid:
         try:
-            meta = client.claim_meta(partition, GENERATE_TASK, list(TICKET_FIELDS), batch_size=1,
-                                     blocking=True, timeout_s=0.2)
+            meta = client.claim_meta(partition, GENERATE_TASK, list(TICKET_FIELDS), batch_size=64,
+                                     blocking=not held, timeout_s=0.2)
         except TimeoutError:
             continue
         except Exception:
             if stop.is_set():  # the trainer closed the store while we waited
                 return
             raise
-        order = client.get_data(meta, list(TICKET_FIELDS))
-        ticket, target, min_version, prompts = (int(order[f][0]) for f in TICKET_FIELDS)
-        if not weights.refresh(min_version, stop):
-            return
-        generator = torch.Generator().manual_seed(rc.seed * 1_000_003 + 7919 * ticket + 1)
-        batch = rollout.run(policy, step=ticket, prompts=prompts, group_size=rc.group_size,
-                            generator=generator, weight_version=weights.version)
+        if meta.size:
+            order = client.get_data(meta, list(TICKET_FIELDS))
+            held += [{f: int(order[f][i]) for f in TICKET_FIELDS} | {"id": sid}
+                     for i, sid in enumerate(meta.sample_ids)]
+        ticket = next_ticket(held, newest_weights(client))
+        if ticket is None:
+            time.sleep(0.002)
+            continue
+        held.remove(ticket)
+        version = weights.load_newest()
+        generator = torch.Generator().manual_seed(rc.seed * 1_000_003 + 7919 * ticket["ticket"] + 1)
+        batch = rollout.run(policy, step=ticket["ticket"], prompts=ticket["prompts"],
+                            group_size=rc.group_size, generator=generator, weight_version=version)
         rows = reassembler.finalize_group(batch.receipts, partition_id=rc.train_partition)
         n = rows.size
-        tag = {TICKET_TAG: ticket, VERSION_TAG: weights.version, CALLS_TAG: batch.staged_calls,
-               FAILED_TAG: batch.failed_calls, "target": target, "worker": spec.index}
+        tag = {TICKET_TAG: ticket["ticket"], VERSION_TAG: version, CALLS_TAG: batch.staged_calls,
+               FAILED_TAG: batch.failed_calls, "target": ticket["target"], "worker": spec.index}
         client.put_samples(
             rows.sample_ids, rc.train_partition,
             fields={"turn_rewards": batch.turn_scores / task.turns,
-                    WEIGHT_VERSION: torch.full((n,), weights.version, dtype=torch.int64)},
+                    WEIGHT_VERSION: torch.full((n,), version, dtype=torch.int64)},
             tags=[tag] * n)
-        client.clear_samples(meta.sample_ids, partition)
+        client.clear_samples([ticket["id"]], partition)
 
 
-__all__ = ["WorkerSpec", "newest_weights", "publish_weights", "tickets_partition", "worker_main"]
+__all__ = ["WorkerSpec", "newest_weights", "next_ticket", "publish_weights", "tickets_partition", "worker_main"]

@@ -1,0 +1,354 @@
+"""recipe.topology=disaggregated: the staleness bound, the IS correction, and real runs.
+
+Fast tier: the trainer's real ``ChunkCollector`` against an embedded store, with simulated
+rollout workers of random speeds (and deaths) writing rows the way ``tq_plugin.rl.workers``
+does; the truncated importance weights; the config refusals.
+Slow tier (Ray, worker processes): a 2-worker GRPO run through the entry point, and one whose
+worker is killed mid-run.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import os
+import random
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from lightning.pytorch import Callback
+
+from tq_plugin.data_plane import LocalDataPlane
+from tq_plugin.lightning import MICROBATCH_INFO
+from tq_plugin.rl.disaggregated import ChunkCollector
+from tq_plugin.rl.recipe import RLRecipe
+from tq_plugin.rl.staleness import TicketLedger, truncated_is_weights
+from tq_plugin.rl.workers import (
+    CALLS_TAG,
+    FAILED_TAG,
+    GENERATE_TASK,
+    TICKET_FIELDS,
+    TICKET_TAG,
+    VERSION_TAG,
+    WEIGHT_VERSION,
+    next_ticket,
+    tickets_partition,
+)
+
+FAST = ["recipe.prompts_per_step=4", "recipe.ppo_epochs=1", "trainer.enable_progress_bar=false"]
+
+
+# ---------------------------------------------------------------- simulated workers
+@dataclass
+class FakeProc:
+    pid: int
+    exitcode: int | None = None
+
+
+@dataclass
+class SimWorker:
+    speed: float
+    alive: bool = True
+    held: list = field(default_factory=list)  # claimed tickets not started
+    job: dict | None = None  # the ticket being generated: finish time, version
+
+
+class SimClient(LocalDataPlane):
+    """An embedded store whose blocking claim, instead of sleeping, runs the simulated workers
+    until one delivers (the trainer is waiting: nothing else happens meanwhile)."""
+
+    sim: Sim
+
+    def claim_meta(self, partition_id, task_name, required_fields, batch_size, dp_rank=None,
+                   blocking=True, timeout_s=60.0):
+        meta = super().claim_meta(partition_id, task_name, required_fields, batch_size,
+                                  blocking=False)
+        if meta.size or not blocking or partition_id.startswith("rollout_tickets"):
+            return meta
+        if not self.sim.advance():  # the claim times out: no worker could make progress
+            self.sim.stalls += 1
+            assert self.sim.stalls < 5, "deadlock: the trainer waits and no worker can start"
+            raise TimeoutError("claim_meta timed out")
+        self.sim.stalls = 0
+        return super().claim_meta(partition_id, task_name, required_fields, batch_size,
+                                  blocking=False)
+
+
+@dataclass
+class Sim:
+    client: SimClient
+    workers: list[SimWorker]
+    rng: random.Random
+    group_size: int
+    now: float = 0.0
+    published: int = 0
+    stalls: int = 0
+    procs: list[FakeProc] = field(default_factory=list)
+    orphans: list[dict] = field(default_factory=list)  # puts a dead worker sent, landing late
+
+    def __post_init__(self) -> None:
+        self.procs = [FakeProc(pid=1000 + k) for k in range(len(self.workers))]
+
+    def _start_idle(self) -> None:
+        for k, w in enumerate(self.workers):
+            if not w.alive or w.job is not None:
+                continue
+            meta = self.client.claim_meta(tickets_partition(k), GENERATE_TASK,
+                                          list(TICKET_FIELDS), 64, blocking=False)
+            if meta.size:
+                td = self.client.get_data(meta, list(TICKET_FIELDS))
+                w.held += [{f: int(td[f][i]) for f in TICKET_FIELDS} for i in range(meta.size)]
+            ticket = next_ticket(w.held, self.published)
+            if ticket is not None:
+                w.held.remove(ticket)
+                w.job = {**ticket, "version": self.published,
+                         "finish": self.now + w.speed * self.rng.uniform(0.5, 1.5)}
+
+    def advance(self, until: float | None = None) -> bool:
+        """Run until one delivery (``until=None``; False when none can happen) or until time
+        ``until``."""
+        while True:
+            self._start_idle()
+            busy = [(w.job["finish"], k) for k, w in enumerate(self.workers) if w.alive and w.job]
+            busy += [(job["finish"], -1 - i) for i, job in enumerate(self.orphans)]
+            if not busy or (until is not None and min(busy)[0] > until):
+                self.now = self.now if until is None else until
+                return False
+            self.now, k = min(busy)
+            self._deliver(k)
+            if until is None:
+                return True
+
+    def _deliver(self, k: int) -> None:
+        if k < 0:
+            job = self.orphans.pop(-1 - k)
+        else:
+            job, self.workers[k].job = self.workers[k].job, None
+        n = job["prompts"] * self.group_size
+        ids = [f"s{job['ticket']}-p{i // self.group_size}-g{i % self.group_size}" for i in range(n)]
+        tag = {TICKET_TAG: job["ticket"], VERSION_TAG: job["version"], CALLS_TAG: n,
+               FAILED_TAG: 0}
+        self.client.put_samples(ids, "train", fields={
+            WEIGHT_VERSION: torch.full((n,), job["version"], dtype=torch.int64)}, tags=[tag] * n)
+
+    def kill(self, k: int, *, land_late: bool = False) -> None:
+        if land_late and self.workers[k].job is not None:
+            self.orphans.append({**self.workers[k].job,
+                                 "finish": self.now + 5 * self.workers[k].speed})
+        self.workers[k].alive = False
+        self.workers[k].job = None
+        self.workers[k].held = []
+        self.procs[k].exitcode = -9
+
+
+def _simulate(seed: int, workers: int, staleness: int, prompts: int, steps: int,
+              kill: int | None, land_late: bool = False) -> ChunkCollector:
+    rng = random.Random(seed)
+    client = SimClient()
+    sim = Sim(client, [SimWorker(speed=rng.uniform(0.1, 3.0)) for _ in range(workers)], rng,
+              group_size=2)
+    client.sim = sim
+    collector = ChunkCollector(client, train_partition="train", prompts_per_step=prompts,
+                               group_size=2, workers=workers, max_staleness=staleness,
+                               procs=sim.procs)
+    collector.register()
+    trained: set[str] = set()
+    dropped = 0
+    for step in range(steps):
+        if kill is not None and step == kill:
+            sim.kill(0, land_late=land_late)
+        chunks, figures = collector.collect(step)
+        ids = [s for c in chunks for s in c.sample_ids]
+        assert len(ids) == prompts * 2
+        assert not trained & set(ids), "a row trained twice"
+        trained |= set(ids)
+        for c in chunks:
+            lag = step - c.tags[0][VERSION_TAG]
+            assert 0 <= lag <= staleness, f"step {step}: a row {lag} steps stale trained"
+            groups = {sid.rsplit("-g", 1)[0] for sid in c.sample_ids}
+            assert len(c.sample_ids) == 2 * len(groups), "a chunk split a group"
+        assert figures["staleness_max"] <= staleness
+        dropped += figures["rows_dropped_stale"]
+        client.clear_samples(ids, "train")  # as the DataPlaneCallback does after the step
+        sim.published = step  # step - 1's last microbatch trains after prepare(step)
+        sim.advance(until=sim.now + rng.uniform(0.05, 2.0))  # the step trains
+    assert dropped == collector.filter.rows_dropped  # every drop counted, in the step it happened
+    return collector
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10**6), workers=st.integers(1, 3), staleness=st.integers(1, 3),
+       prompts=st.sampled_from([2, 4, 6]))
+def test_staleness_bound_holds_under_random_worker_speeds(seed, workers, staleness, prompts):
+    _simulate(seed, workers, staleness, prompts, steps=10, kill=None)
+
+
+def test_chunks_past_the_bound_are_dropped_counted_and_replaced(capsys):
+    """Tickets gate generation on ``min_version``, so in steady state every chunk trains at its
+    target step. A worker killed while its put is in flight breaks that: its ticket goes to the
+    other worker, and the orphaned rows land steps later (kept: they were acknowledged). Chunks
+    then arrive past the bound: dropped, counted, replaced, never trained (asserted in
+    ``_simulate``), and the run still gets whole steps."""
+    dropped = sum(_simulate(seed, 2, 1, 4, steps=12, kill=2, land_late=True).filter.rows_dropped
+                  for seed in range(20))
+    assert dropped > 0
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10**6), kill=st.integers(0, 6))
+def test_a_dead_worker_is_reported_and_the_run_continues_on_the_rest(seed, kill, capsys):
+    collector = _simulate(seed, 2, 1, 4, steps=8, kill=kill)
+    assert collector.workers_lost == 1 and collector.ledger.alive == {1}
+    assert "rollout worker 0 (pid 1000) died with exit code -9; continuing on 1" in capsys.readouterr().err
+
+
+def test_no_worker_left_stops_with_a_clear_error():
+    with pytest.raises(RuntimeError, match="every rollout worker has died"):
+        _simulate(0, 1, 1, 4, steps=3, kill=1)
+
+
+def test_ledger_refuses_unknown_deliveries():
+    ledger = TicketLedger(workers=2, chunks_per_step=2, max_staleness=1)
+    issued = ledger.issue(0)
+    assert [t.target for t in issued] == [0, 0, 1, 1] and {t.worker for t in issued} == {0, 1}
+    assert [t.min_version for t in issued] == [0, 0, 0, 0]
+    ledger.delivered(issued[0].ticket)
+    with pytest.raises(KeyError):
+        ledger.delivered(issued[0].ticket)
+    assert ledger.issue(0) == []  # topped up already
+    assert [t.min_version for t in ledger.issue(1)] == [1, 1]  # aimed at step 2
+
+
+# ---------------------------------------------------------------- importance weights
+def test_truncated_is_weights_formula():
+    prev = torch.tensor([[0.0, -1.0, -0.5, -3.0]])
+    gen = torch.tensor([[0.0, -1.0 - torch.log(torch.tensor(1.5)).item(), 0.5, -9.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    w = truncated_is_weights(prev, gen, mask, cap=2.0)
+    # equal -> 1; pi_old/pi_gen = 1.5 -> 1.5; e^-1 -> e^-1; off the mask -> 1 (not e^6 capped)
+    torch.testing.assert_close(w, torch.tensor([[1.0, 1.5, torch.exp(torch.tensor(-1.0)).item(), 1.0]]))
+    w = truncated_is_weights(torch.tensor([[0.0]]), torch.tensor([[-5.0]]), torch.tensor([[1]]), 2.0)
+    assert float(w) == pytest.approx(2.0)  # truncated at the cap
+    with pytest.raises(ValueError, match="cap must be >= 1.0"):
+        truncated_is_weights(prev, gen, mask, cap=0.5)
+
+
+def test_is_weight_on_advantages_scales_the_clipped_policy_gradient_term():
+    """Why multiplying advantages is the correction: min(r A w, clip(r) A w) = w min(r A, clip(r) A)."""
+    g = torch.Generator().manual_seed(0)
+    ratio = torch.rand(64, generator=g) * 2
+    adv = torch.randn(64, generator=g)
+    w = truncated_is_weights(torch.randn(64, generator=g), torch.randn(64, generator=g),
+                             torch.ones(64), cap=2.0)
+
+    def pg(a):
+        return -torch.minimum(ratio * a, ratio.clamp(0.8, 1.2) * a)
+
+    torch.testing.assert_close(pg(adv * w), w * pg(adv))
+
+
+# ---------------------------------------------------------------- config
+@pytest.fixture
+def _clean_hydra():
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    GlobalHydra.instance().clear()
+    yield
+    GlobalHydra.instance().clear()
+
+
+def _compose(*overrides: str):
+    with initialize_config_module(config_module="tq_plugin.conf", version_base="1.3"):
+        return compose("grpo", overrides=[*FAST, *overrides])
+
+
+@pytest.mark.usefixtures("_clean_hydra")
+@pytest.mark.parametrize(("overrides", "match"), [
+    (["recipe.topology=disaggregated"], "needs a store shared across processes: use tq/backend=ray"),
+    (["recipe.topology=disaggregated", "tq/backend=ray", "recipe.max_staleness=0"],
+     "recipe.max_staleness=0: topology=disaggregated needs >= 1"),
+    (["recipe.topology=async"], "recipe.topology: must be one of"),
+    (["recipe.is_truncation=0.5"], "recipe.is_truncation: must be >= 1.0"),
+    (["recipe.rollout_workers=0"], "recipe.rollout_workers: must be > 0"),
+])
+def test_disaggregated_config_is_refused_before_anything_starts(tmp_path, overrides, match):
+    cfg = _compose(*overrides)
+    with pytest.raises(ValueError, match=match):
+        RLRecipe(cfg, tmp_path).setup()
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+# ---------------------------------------------------------------- real runs (Ray, processes)
+RAY = ["tq/backend=ray", "recipe.topology=disaggregated", "recipe.max_staleness=1",
+       "tq.backend.ray_init.num_cpus=null"]
+
+
+class KillWorker(Callback):
+    """SIGKILLs rollout worker ``k`` when step ``at`` starts training."""
+
+    def __init__(self, recipe: RLRecipe, k: int, at: int) -> None:
+        self.recipe, self.k, self.at = recipe, k, at
+        self.killed: int | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.killed is None and pl_module.dp_meta.extra_info[MICROBATCH_INFO]["step"] == self.at:
+            self.killed = self.recipe.disaggregated.procs[self.k].pid
+            os.kill(self.killed, signal.SIGKILL)
+
+
+def _run(tmp_path: Path, *overrides: str, kill: tuple[int, int] | None = None):
+    cfg = _compose(*RAY, *overrides)
+    recipe = RLRecipe(cfg, tmp_path)
+    recipe.setup()
+    killer = None
+    if kill is not None:
+        killer = KillWorker(recipe, *kill)
+        recipe.trainer.callbacks.append(killer)
+    try:
+        recipe.train()
+    finally:
+        if recipe.disaggregated is not None:
+            recipe.disaggregated.stop()
+    procs = recipe.disaggregated.procs
+    assert procs and not any(p.is_alive() for p in procs), "a worker outlived the trainer"
+    result = json.loads((tmp_path / "result.json").read_text())
+    with open(tmp_path / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    return recipe, result, rows, killer
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.usefixtures("_clean_hydra")
+def test_two_worker_grpo_run(tmp_path, ray_session):
+    _, result, rows, _ = _run(tmp_path, "recipe.rollout_workers=2", "recipe.num_steps=4")
+    assert result["status"] == "ok" and result["steps"] == 4 and len(rows) == 4
+    assert result["topology"] == "disaggregated" and result["workers_lost"] == 0
+    assert [int(r["step"]) for r in rows] == [0, 1, 2, 3]
+    for r in rows:
+        assert 0 <= int(r["staleness_max"]) <= 1
+        assert float(r["trainer_wait_s"]) >= 0 and int(r["workers_alive"]) == 2
+    assert int(rows[-1]["staleness_max"]) == 1  # rows were generated while the trainer trained
+    assert float(rows[-1]["rollout_calls_per_s"]) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.usefixtures("_clean_hydra")
+def test_a_worker_killed_mid_run(tmp_path, ray_session, capfd):
+    _, result, rows, killer = _run(tmp_path, "recipe.rollout_workers=2", "recipe.num_steps=5",
+                                        kill=(0, 2))
+    assert killer.killed is not None
+    assert result["status"] == "ok" and len(rows) == 5 and result["workers_lost"] == 1
+    assert int(rows[-1]["workers_alive"]) == 1
+    err = capfd.readouterr().err
+    assert f"rollout worker 0 (pid {killer.killed}) died with exit code -9; continuing on 1" in err
+    print(err[-2000:], file=sys.stderr)
