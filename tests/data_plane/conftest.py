@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import uuid
 
@@ -9,6 +10,8 @@ import pytest
 import torch
 
 from tq_plugin.data_plane import LocalDataPlane, nested_from_lengths
+
+HAVE_TQ = importlib.util.find_spec("transfer_queue") is not None  # the tq extra
 
 # Conformance cases a backend cannot meet, and why (the test is skipped with this reason).
 UNSUPPORTED: dict[str, dict[str, str]] = {
