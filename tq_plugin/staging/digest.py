@@ -46,6 +46,7 @@ _U64 = struct.Struct(">Q")
 _I64 = struct.Struct(">q")
 _F64 = struct.Struct(">d")
 _F32 = struct.Struct(">f")
+_FRAME = struct.Struct(">QQ")
 # The smallest magnitude that rounds (nearest-even) to infinity as float32.
 _F32_OVERFLOW = 2.0**128 - 2.0**103
 # Float lists at least this long are checked and rounded by numpy after one exact pack.
@@ -223,12 +224,18 @@ def float32_bytes(values: Any, name: str, *, check_types: bool = True) -> tuple[
         raise ValueError(f"{name} values must be finite Python floats, got {bad!r}") from None
 
 
+def _all_float32(exact: np.ndarray) -> bool:
+    """Whether every value is finite and float32-representable: one pair of reductions
+    catches all three faults (NaN propagates; inf and overflow reach the float32 limit)."""
+    return exact.size == 0 or (
+        -_F32_OVERFLOW < float(exact.min()) <= float(exact.max()) < _F32_OVERFLOW
+    )
+
+
 def _float32_of_exact(exact: np.ndarray, values: Any, name: str) -> bytes:
     """Big-endian float32 bytes of the float array ``exact`` (``values``' own numbers): finite
     and float32-representable, else a ValueError naming the first bad value."""
-    # One pair of reductions catches all three faults: NaN propagates, inf and overflow
-    # reach the float32 limit.
-    if exact.size and not -_F32_OVERFLOW < float(exact.min()) <= float(exact.max()) < _F32_OVERFLOW:
+    if not _all_float32(exact):
         finite = np.isfinite(exact)
         if not finite.all():
             raise ValueError(
@@ -237,6 +244,20 @@ def _float32_of_exact(exact: np.ndarray, values: Any, name: str) -> bytes:
         bad = float(values[int(np.argmax(np.abs(exact) >= _F32_OVERFLOW))])
         raise ValueError(f"{name} value cannot be represented as float32: {bad!r}")
     return exact.astype(">f4").tobytes()
+
+
+def _float_list_pair(
+    mask: Any, logprobs: Any
+) -> tuple[np.ndarray, bytes, np.ndarray, bytes] | None:
+    """Both float columns through one list read, one check and one cast, when both are lists
+    of exact, finite, float32-representable floats; None otherwise (or when unreadable)."""
+    if type(mask) is not list or type(logprobs) is not list:
+        return None
+    exact = _exact_column(mask + logprobs, _MARSHAL_FLOATS)
+    if exact is None or not _all_float32(exact):
+        return None
+    raw, n = exact.astype(">f4").tobytes(), len(mask)
+    return exact[:n], raw[: 4 * n], exact[n:], raw[4 * n :]
 
 
 def _float_list_bytes(values: list[Any], name: str) -> tuple[Any, bytes]:
@@ -291,9 +312,13 @@ def encode_token_ids(token_ids: Any, *, check_types: bool = True) -> bytes:
 
 def hash_token_ids(token_ids: Any, *, check_types: bool = True) -> str:
     """The cumulative hash: SHA-256(prefix-v2 tag ‖ TOKENS(ids)); an empty list is allowed."""
-    return hashlib.sha256(
-        PREFIX_DOMAIN + encode_token_ids(token_ids, check_types=check_types)
-    ).hexdigest()
+    return hash_token_id_bytes(*token_id_bytes(token_ids, check_types=check_types))
+
+
+def hash_token_id_bytes(count: int, *raw: bytes) -> str:
+    """``hash_token_ids`` of ``count`` ids already encoded (``token_id_bytes``), as the
+    concatenation of the ``raw`` parts (a chain's deltas, each encoded once)."""
+    return hashlib.sha256(b"".join((PREFIX_DOMAIN, _U64.pack(count), *raw))).hexdigest()
 
 
 def compute_chain_hash(
@@ -303,12 +328,17 @@ def compute_chain_hash(
 
     The marker byte keeps a root's chain hash apart from any child's.
     """
+    count, raw = token_id_bytes(token_ids_delta, check_types=check_types)
+    return chain_hash_of_bytes(parent_chain_hash, count, raw)
+
+
+def chain_hash_of_bytes(parent_chain_hash: str | None, count: int, raw: bytes) -> str:
+    """``compute_chain_hash`` of a delta of ``count`` ids already encoded (``token_id_bytes``)."""
     if parent_chain_hash is None:
         parent = b"\x00"
     else:
         parent = b"\x01" + digest_to_bytes(parent_chain_hash, "parent_chain_hash")
-    tokens = encode_token_ids(token_ids_delta, check_types=check_types)
-    return hashlib.sha256(CHAIN_DOMAIN + parent + tokens).hexdigest()
+    return hashlib.sha256(b"".join((CHAIN_DOMAIN, parent, _U64.pack(count), raw))).hexdigest()
 
 
 def _encode_extras_value(value: Any, out: list[bytes]) -> None:
@@ -458,10 +488,16 @@ def staging_digest_and_columns(
         prev_len=prev_len,
     )
     count, ids_raw = token_id_bytes(token_ids_delta, "token_ids_delta", check_types=check_types)
-    mask, mask_raw = float32_bytes(token_mask_delta, "token_mask_delta", check_types=check_types)
-    logprobs, logprob_raw = float32_bytes(
-        generation_log_probs_delta, "generation_log_probs_delta", check_types=check_types
-    )
+    pair = _float_list_pair(token_mask_delta, generation_log_probs_delta)
+    if pair is None:  # not two clean lists: column by column, naming any culprit
+        mask, mask_raw = float32_bytes(
+            token_mask_delta, "token_mask_delta", check_types=check_types
+        )
+        logprobs, logprob_raw = float32_bytes(
+            generation_log_probs_delta, "generation_log_probs_delta", check_types=check_types
+        )
+    else:
+        mask, mask_raw, logprobs, logprob_raw = pair
     if type(delta_len) is not int or delta_len < 1:
         raise ValueError(
             f"a staged call delta must contain at least one token (delta_len {delta_len!r})"
@@ -481,11 +517,11 @@ def staging_digest_and_columns(
     extras_raw = digest_to_bytes(extras_digest, "extras_digest")
     chain_raw = digest_to_bytes(chain_hash, "chain_hash")
     cumulative_raw = digest_to_bytes(cumulative_hash, "cumulative_hash")
-    ids_payload = _U64.pack(count) + ids_raw
-    mask_payload = _U64.pack(count) + mask_raw
-    logprob_payload = _U64.pack(count) + logprob_raw
+    # Each column is framed as U64(len(TOKENS/F32S)) + U64(count) + its bytes; one join, one
+    # hash, no intermediate copies of the columns.
     payload = b"".join(
         (
+            CALL_DOMAIN,
             bytes((schema_version, digest_version, extras_digest_version)),
             _text(rollout_id, "rollout_id"),
             _text(model_call_id, "model_call_id"),
@@ -495,18 +531,20 @@ def staging_digest_and_columns(
             _u64(delta_len, "delta_len"),
             _u64(cum_len, "cum_len"),
             _u64(weight_version, "weight_version"),
-            _U64.pack(len(ids_payload)),
-            ids_payload,
-            _U64.pack(len(mask_payload)),
-            mask_payload,
-            _U64.pack(len(logprob_payload)),
-            logprob_payload,
+            _FRAME.pack(_U64.size + len(ids_raw), count),
+            ids_raw,
+            _FRAME.pack(_U64.size + len(mask_raw), count),
+            mask_raw,
+            _FRAME.pack(_U64.size + len(logprob_raw), count),
+            logprob_raw,
             extras_raw,
-            b"\x01" + chain_raw,
-            b"\x01" + cumulative_raw,
+            b"\x01",
+            chain_raw,
+            b"\x01",
+            cumulative_raw,
         )
     )
-    return hashlib.sha256(CALL_DOMAIN + payload).hexdigest(), ids_raw, mask_raw, logprob_raw
+    return hashlib.sha256(payload).hexdigest(), ids_raw, mask_raw, logprob_raw
 
 
 def compute_staging_digest(**fields: Any) -> str:

@@ -18,8 +18,9 @@ from tq_plugin.staging.digest import (
     EXTRAS_DIGEST_VERSION,
     STAGING_DIGEST_VERSION,
     STAGING_SCHEMA_VERSION,
-    compute_chain_hash,
-    hash_token_ids,
+    chain_hash_of_bytes,
+    hash_token_id_bytes,
+    token_id_bytes,
 )
 from tq_plugin.staging.records import RolloutReceipt, StagedCallBaseSnapshot, recompute_digest
 
@@ -234,14 +235,20 @@ def verify_and_linearize(
     links: list[tuple[str, int, int]] = []
     prompt_len = 0
     running: str | None = None
+    encoded: list[bytes] = []  # each delta's ids encoded once: its chain hash, then the row's
     for position, row in enumerate(chain):
         snap = by_id[row.model_call_id]
-        running = compute_chain_hash(running, snap.token_ids_delta, check_types=False)
+        count, raw = token_id_bytes(snap.token_ids_delta, "token_ids_delta", check_types=False)
+        encoded.append(raw)
+        running = chain_hash_of_bytes(running, count, raw)
         if running != row.chain_hash:
             raise RebuildError("chain_hash_mismatch", f"{row.model_call_id!r} breaks the chain")
         mask_delta = list(snap.token_mask_delta)
         size = len(mask_delta)
-        carry = mask_delta.index(1.0) if 1.0 in mask_delta else size
+        try:
+            carry = mask_delta.index(1.0)
+        except ValueError:
+            carry = size
         if mask_delta.count(0.0) != carry or mask_delta.count(1.0) != size - carry:
             raise RebuildError(
                 "invalid_mask_order", f"{row.model_call_id!r} mask is not carry-then-generation"
@@ -258,7 +265,7 @@ def verify_and_linearize(
         links.append((row.model_call_id, carry, size - carry))
     if 1.0 not in mask:
         raise RebuildError("empty_training_row", "no generated token on the terminal chain")
-    if hash_token_ids(ids, check_types=False) != chain[-1].cumulative_hash:
+    if hash_token_id_bytes(len(ids), *encoded) != chain[-1].cumulative_hash:
         raise RebuildError(
             "cumulative_hash_mismatch", "the terminal's cumulative hash does not cover the row"
         )
