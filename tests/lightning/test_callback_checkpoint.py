@@ -56,7 +56,8 @@ def fit(make_trainer: Any, root: Path, run: str, *, salt: int,
     saver = ModelCheckpoint(dirpath=root / run, every_n_train_steps=1, save_top_k=-1)
     trainer = make_trainer(callbacks=[cb, saver], enable_checkpointing=True, max_steps=6,
                            default_root_dir=str(root))
-    dm = MetaDataModule(source, num_steps=3,
+    # Two optimizer steps (checkpoints) per step: a checkpoint can land inside a step.
+    dm = MetaDataModule(source, num_steps=3, global_batch_size=2,
                         fields=POLICY_FIELDS, micro_batch_size=2)
     model = Interrupted(fail_at)
     if fail_at is None:

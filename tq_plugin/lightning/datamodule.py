@@ -16,6 +16,7 @@ reads the model's packing config, which live in the training process.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -129,6 +130,15 @@ class MetaDataModule(LightningDataModule):
 
     # ------------------------------------------------------------------ iteration
     def iter_microbatches(self) -> Iterator[KVBatchMeta]:
+        """This rank's microbatch metas, step after step.
+
+        A step's first microbatch is yielded as a pending meta: the step is generated when that
+        meta is first read, or when the stream is asked for the next microbatch, whichever
+        comes first. Lightning fetches one microbatch ahead (to know which one is last), so it
+        fetches step s + 1's first microbatch before step s's last optimizer step; generating
+        only then keeps every step's rollouts on-policy (made with the weights after the
+        previous step's last update) in every packing mode.
+        """
         trainer = self._trainer()
         callback = self._callback()
         host = callback.host(trainer.lightning_module) if callback else trainer.lightning_module
@@ -139,33 +149,87 @@ class MetaDataModule(LightningDataModule):
                 "to the Trainer's callbacks"
             )
         start_step, skip = callback.resume_cursor() if callback else (0, 0)
+        for step in range(start_step, self.num_steps):
+            microbatches = self._step_microbatches(
+                step, skip if step == start_step else 0, trainer=trainer, host=host, client=client)
+            pending = PendingMeta(lambda mbs=microbatches, step=step: _first(mbs, step))
+            yield pending
+            pending.resolve()
+            yield from microbatches
+
+    def _step_microbatches(self, step: int, skip: int, *, trainer: Trainer, host: Any,
+                           client: Any) -> Iterator[KVBatchMeta]:
+        """Generate ``step`` (nothing runs before the first ``next``) and plan its passes."""
         world, rank = trainer.world_size, trainer.global_rank
         placement = self._row_placement(client)
-        for step in range(start_step, self.num_steps):
-            if placement == "shared" and world > 1:
-                meta = self.source(step, client) if rank == 0 else None
-                meta = trainer.strategy.broadcast(meta, src=0)
-            else:
-                meta = self.source(step, client)
-            index = 0
-            for epoch in range(self.epochs_per_step):
-                for mb in plan_step(
-                    meta,
-                    host=host,
-                    fields=self.fields,
-                    task_name=self.task_name,
-                    step=step,
-                    epoch=epoch,
-                    num_epochs=self.epochs_per_step,
-                    mb_tokens_key=self.mb_tokens_key,
-                    world_size=world,
-                    rank=rank,
-                    rows=placement,
-                    reduce_max=self._reduce_max,
-                    global_batch_size=self.global_batch_size,
-                    micro_batch_size=self.micro_batch_size,
-                    shard_fn=self.shard_fn,
-                ):
-                    if step > start_step or index >= skip:
-                        yield mb
-                    index += 1
+        if placement == "shared" and world > 1:
+            meta = self.source(step, client) if rank == 0 else None
+            meta = trainer.strategy.broadcast(meta, src=0)
+        else:
+            meta = self.source(step, client)
+        index = 0
+        for epoch in range(self.epochs_per_step):
+            for mb in plan_step(
+                meta,
+                host=host,
+                fields=self.fields,
+                task_name=self.task_name,
+                step=step,
+                epoch=epoch,
+                num_epochs=self.epochs_per_step,
+                mb_tokens_key=self.mb_tokens_key,
+                world_size=world,
+                rank=rank,
+                rows=placement,
+                reduce_max=self._reduce_max,
+                global_batch_size=self.global_batch_size,
+                micro_batch_size=self.micro_batch_size,
+                shard_fn=self.shard_fn,
+            ):
+                if index >= skip:
+                    yield mb
+                index += 1
+
+
+def _first(microbatches: Iterator[KVBatchMeta], step: int) -> KVBatchMeta:
+    for mb in microbatches:
+        return mb
+    raise RuntimeError(f"MetaDataModule: step {step} was planned into no microbatch (no rows)")
+
+
+_META_FIELDS = frozenset(f.name for f in dataclasses.fields(KVBatchMeta))
+
+
+class PendingMeta(KVBatchMeta):
+    """A microbatch meta whose step is generated on first use (see ``iter_microbatches``).
+
+    It is a ``KVBatchMeta`` to every consumer: reading any of its fields first calls
+    ``produce()`` and takes over the fields of the meta it returns. ``dataclasses.replace``
+    and ``KVBatchMeta(**fields)``-style copies give plain metas.
+    """
+
+    def __init__(self, produce: Callable[[], KVBatchMeta] | None = None, **fields: Any) -> None:
+        if produce is None:  # a copy (dataclasses.replace): an ordinary, resolved meta
+            super().__init__(**fields)
+        else:
+            object.__setattr__(self, "_produce", produce)
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in _META_FIELDS:
+            PendingMeta.resolve(self)
+        return object.__getattribute__(self, name)
+
+    @property
+    def pending(self) -> bool:
+        """Whether the step behind this meta has not been generated yet."""
+        return "_produce" in object.__getattribute__(self, "__dict__")
+
+    def resolve(self) -> None:
+        """Generate the step now (once); later calls do nothing."""
+        state = object.__getattribute__(self, "__dict__")
+        produce = state.pop("_produce", None)
+        if produce is not None:
+            state.update(vars(produce()))
+
+    def __reduce__(self) -> Any:  # pickles (and copies) as the plain meta it stands for
+        return (KVBatchMeta, tuple(getattr(self, f.name) for f in dataclasses.fields(KVBatchMeta)))

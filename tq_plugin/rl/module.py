@@ -69,7 +69,7 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         self.step_hook: Any = None  # called with (meta, stats) after each microbatch
         self.train_seconds = 0.0
         # Set by the recipe's step callback before each microbatch trains, from the step's meta
-        # (the dataloader prepares step s + 1 before step s's last microbatch has trained).
+        # (read per microbatch: the meta, not the module, holds each step's values).
         self.loss_norm = 1.0  # action tokens of one global batch (per rank)
         self.current_reward = 0.0  # the step's mean rollout reward, logged as rl/reward
         self._gb_stats: dict[str, float] = {}
