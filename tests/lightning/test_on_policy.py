@@ -11,9 +11,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import pickle
+from pathlib import Path
 from typing import Any
 
 import pytest
+from lightning.pytorch import Callback
 
 from tq_plugin.data_plane import KVBatchMeta
 from tq_plugin.lightning import MICROBATCH_INFO, DataPlaneCallback, MetaDataModule
@@ -100,3 +102,42 @@ def test_a_step_planned_into_no_microbatch_is_refused_by_name(make_trainer: Any)
     trainer = make_trainer(callbacks=[DataPlaneCallback(partitions=[partition_spec()])])
     with pytest.raises(RuntimeError, match="step 0 was planned into no microbatch"):
         trainer.fit(model, datamodule=dm)
+
+
+class SaveAt(Callback):
+    """Saves a checkpoint in ``on_train_batch_end`` of microbatch ``at`` (step, index in step),
+    placed before the DataPlaneCallback: its resume cursor still points at that microbatch."""
+
+    def __init__(self, path: Path, at: tuple[int, int]) -> None:
+        self.path, self.at = path, at
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        info = pl_module.dp_meta.extra_info[MICROBATCH_INFO]
+        if (info["step"], info["index_in_step"]) == self.at:
+            trainer.save_checkpoint(self.path)
+
+
+def test_a_checkpoint_at_a_steps_last_microbatch_resumes_into_that_step(
+    make_trainer: Any, tmp_path: Path
+) -> None:
+    """The store a checkpoint saves holds the step being trained and nothing ahead of it: with the
+    look-ahead it held step 1 too, and the resume generated step 0 again into rows that were
+    already there ('sample_ids already exist')."""
+    ckpt = tmp_path / "last_mb_of_step0.ckpt"
+
+    def fit(source: SyntheticRollouts, callbacks: list, ckpt_path: str | None = None) -> Any:
+        cb = DataPlaneCallback(partitions=[partition_spec()])
+        # The resumed run trains the saved microbatch again (its cursor had not moved): one
+        # optimizer step more.
+        trainer = make_trainer(callbacks=[*callbacks, cb], max_steps=6 + bool(ckpt_path))
+        dm = MetaDataModule(source, num_steps=3, fields=POLICY_FIELDS, micro_batch_size=2,
+                            global_batch_size=2)
+        trainer.fit(DemoPolicy(record=True), datamodule=dm, ckpt_path=ckpt_path)
+        return cb
+
+    fit(SyntheticRollouts(rows=4, seed=1), [SaveAt(ckpt, at=(0, 1))])
+    resumed = SyntheticRollouts(rows=4, seed=2)
+    cb = fit(resumed, [], ckpt_path=str(ckpt))
+    assert cb.restored_from is not None
+    assert resumed.calls == [1, 2]  # step 0's last microbatch came back from the store
+    assert cb.resume_cursor() == (3, 0)
