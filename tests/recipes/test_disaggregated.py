@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lightning.pytorch import Callback
 
-from tq_plugin.data_plane import LocalDataPlane
+from tq_plugin.data_plane import INPUT_IDS, INPUT_LENGTHS, SAMPLE_MASK, LocalDataPlane
 from tq_plugin.lightning import MICROBATCH_INFO
 from tq_plugin.rl.disaggregated import ChunkCollector
 from tq_plugin.rl.recipe import RLRecipe
@@ -36,6 +36,7 @@ from tq_plugin.rl.workers import (
     CALLS_TAG,
     FAILED_TAG,
     GENERATE_TASK,
+    ROLLOUTS_PARTITION,
     TICKET_FIELDS,
     TICKET_TAG,
     VERSION_TAG,
@@ -43,6 +44,7 @@ from tq_plugin.rl.workers import (
     next_ticket,
     tickets_partition,
 )
+from tq_plugin.staging.reassembler import FINALIZED_FIELDS_TAG
 
 FAST = ["recipe.prompts_per_step=4", "recipe.ppo_epochs=1", "trainer.enable_progress_bar=false"]
 
@@ -136,8 +138,11 @@ class Sim:
         n = job["prompts"] * self.group_size
         ids = [f"s{job['ticket']}-p{i // self.group_size}-g{i % self.group_size}" for i in range(n)]
         tag = {TICKET_TAG: job["ticket"], VERSION_TAG: job["version"], CALLS_TAG: n,
-               FAILED_TAG: 0}
-        self.client.put_samples(ids, "train", fields={
+               FAILED_TAG: 0, FINALIZED_FIELDS_TAG: f"{INPUT_IDS},{INPUT_LENGTHS},{SAMPLE_MASK}"}
+        self.client.put_samples(ids, ROLLOUTS_PARTITION, fields={
+            INPUT_IDS: torch.zeros(n, 3, dtype=torch.int64),
+            INPUT_LENGTHS: torch.full((n,), 3), SAMPLE_MASK: torch.ones(n),
+            "turn_rewards": torch.rand(n, 2),
             WEIGHT_VERSION: torch.full((n,), job["version"], dtype=torch.int64)}, tags=[tag] * n)
 
     def kill(self, k: int, *, land_late: bool = False) -> None:
@@ -157,7 +162,9 @@ def _simulate(seed: int, workers: int, staleness: int, prompts: int, steps: int,
     sim = Sim(client, [SimWorker(speed=rng.uniform(0.1, 3.0)) for _ in range(workers)], rng,
               group_size=2)
     client.sim = sim
-    collector = ChunkCollector(client, train_partition="train", prompts_per_step=prompts,
+    local = LocalDataPlane()
+    local.register_partition("train", [])  # the DataPlaneCallback does this in the recipe
+    collector = ChunkCollector(client, local, train_partition="train", prompts_per_step=prompts,
                                group_size=2, workers=workers, max_staleness=staleness,
                                procs=sim.procs)
     collector.register()
@@ -178,7 +185,8 @@ def _simulate(seed: int, workers: int, staleness: int, prompts: int, steps: int,
             assert len(c.sample_ids) == 2 * len(groups), "a chunk split a group"
         assert figures["staleness_max"] <= staleness
         dropped += figures["rows_dropped_stale"]
-        client.clear_samples(ids, "train")  # as the DataPlaneCallback does after the step
+        assert not set(ids) & set(client.list_sample_ids(ROLLOUTS_PARTITION))  # moved, not copied
+        local.clear_samples(ids, "train")  # as the DataPlaneCallback does after the step
         sim.published = step  # step - 1's last microbatch trains after prepare(step)
         sim.advance(until=sim.now + rng.uniform(0.05, 2.0))  # the step trains
     assert dropped == collector.filter.rows_dropped  # every drop counted, in the step it happened

@@ -324,10 +324,14 @@ class RecipeConfig:
     max_staleness: int = 1
     # disaggregated: truncated importance-sampling weight min(pi_old / pi_gen, is_truncation).
     is_truncation: float = 2.0
+    # disaggregated: where a worker stages its calls: "local" (its own embedded store; only it
+    # reads them back) or "shared" (the run's store). Training rows always go to the shared one.
+    worker_staging: str = "local"
 
     def __post_init__(self) -> None:
         _one_of("recipe.algorithm", self.algorithm, ALGORITHMS)
         _one_of("recipe.topology", self.topology, TOPOLOGIES)
+        _one_of("recipe.worker_staging", self.worker_staging, ("local", "shared"))
         _positive("recipe.rollout_workers", self.rollout_workers)
         _positive("recipe.max_staleness", self.max_staleness, allow_zero=True)
         if self.is_truncation < 1.0:

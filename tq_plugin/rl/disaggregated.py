@@ -2,10 +2,14 @@
 
 ``recipe.rollout_workers=K`` processes (``tq_plugin.rl.workers``) generate continuously, each
 with the newest weights it has, every call staged through ``TQTokenSink`` and every finished
-group written as training rows by ``RolloutReassembler``, into the trainer's shared store. The
-trainer never runs a rollout: each RL step (the ``MetaDataModule``'s step source) claims ready
-rows through the task-mediated claims (``claim_meta``, task ``async_ready``), so it waits only
-when no chunk is ready. What it does with them:
+group written as training rows by ``RolloutReassembler`` into the ``rollouts`` partition of the
+shared store (``tq.backend``, opened and owned by the trainer). The trainer never runs a
+rollout: each RL step (the ``MetaDataModule``'s step source) claims ready rows through the
+task-mediated claims (``claim_meta``, task ``async_ready``), so it waits only when no chunk is
+ready. Each admitted chunk is read once and copied into the trainer's own embedded store (the
+``DataPlaneCallback``'s client), then cleared from the shared one ("1-hop": bulk goes from the
+worker to the store to the trainer; the step's logprob, advantage and microbatch reads and
+writes then stay in the trainer's process). What the trainer does with the rows:
 
 1. **staleness** (``recipe.max_staleness=S``): a chunk of rows generated with weights of
    version ``v`` trains at step ``s`` only if ``s - v <= S``; a staler chunk is cleared and
@@ -49,7 +53,7 @@ import time
 from typing import Any
 
 import torch
-from hydra.utils import get_class
+from hydra.utils import get_class, instantiate
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
@@ -61,6 +65,7 @@ from tq_plugin.data_plane import (
     TOKEN_MASK,
     TOTAL_REWARD,
     KVBatchMeta,
+    first_write,
 )
 from tq_plugin.lightning import MICROBATCH_INFO
 from tq_plugin.rl.metrics import MetricsLog, _Step
@@ -69,6 +74,7 @@ from tq_plugin.rl.workers import (
     CALLS_TAG,
     FAILED_TAG,
     GENERATE_TASK,
+    ROLLOUTS_PARTITION,
     TICKET_FIELDS,
     TICKET_TAG,
     VERSION_TAG,
@@ -80,6 +86,7 @@ from tq_plugin.rl.workers import (
     tickets_partition,
     worker_main,
 )
+from tq_plugin.staging.reassembler import FINALIZED_FIELDS_TAG
 
 log = logging.getLogger(__name__)
 READY_TASK = "async_ready"
@@ -148,9 +155,10 @@ class ChunkCollector:
     ``procs[k]`` is worker ``k``'s process (anything with ``exitcode`` and ``pid``).
     """
 
-    def __init__(self, client: Any, *, train_partition: str, prompts_per_step: int,
+    def __init__(self, client: Any, local: Any, *, train_partition: str, prompts_per_step: int,
                  group_size: int, workers: int, max_staleness: int, procs: list[Any]) -> None:
-        self.client = client
+        self.client = client  # the shared store: tickets, weights, delivered rows
+        self.local = local  # the trainer's own store: the rows of the steps it trains
         self.train_partition = train_partition
         self.group_size = group_size
         self.rows_per_step = prompts_per_step * group_size
@@ -168,7 +176,7 @@ class ChunkCollector:
     def register(self) -> None:
         """The exchange partitions (before any worker starts)."""
         self.client.register_partition(WEIGHTS_PARTITION, [WEIGHTS, WEIGHT_VERSION])
-        self.client.register_partition(self.train_partition, [], consumer_tasks=[READY_TASK])
+        self.client.register_partition(ROLLOUTS_PARTITION, [], consumer_tasks=[READY_TASK])
         for k in range(self.ledger.workers):
             self.client.register_partition(tickets_partition(k), list(TICKET_FIELDS),
                                            consumer_tasks=[GENERATE_TASK])
@@ -206,7 +214,7 @@ class ChunkCollector:
         The time spent blocked adds to ``waited_s``."""
         t0 = time.perf_counter()
         try:
-            meta = self.client.claim_meta(self.train_partition, READY_TASK, [WEIGHT_VERSION],
+            meta = self.client.claim_meta(ROLLOUTS_PARTITION, READY_TASK, [WEIGHT_VERSION],
                                           batch_size=self.rows_per_step, blocking=blocking,
                                           timeout_s=0.5)
         except TimeoutError:
@@ -227,6 +235,17 @@ class ChunkCollector:
         self.buffer.sort(key=lambda m: m.tags[0][VERSION_TAG])  # oldest first: least dropped
         return meta.size
 
+    def _take(self, chunk: KVBatchMeta) -> KVBatchMeta:
+        """Copy a delivered chunk into the trainer's store (one read, one put), then clear it
+        from the shared one; the meta of the trainer's copy."""
+        tag = chunk.tags[0]
+        fields = [*str(tag[FINALIZED_FIELDS_TAG]).split(","), TURN_REWARDS]
+        td = self.client.get_samples(chunk.sample_ids, ROLLOUTS_PARTITION, fields)
+        local = first_write(dict(td.items()), sample_ids=chunk.sample_ids, client=self.local,
+                            partition_id=self.train_partition, tags=chunk.tags)
+        self.client.clear_samples(chunk.sample_ids, ROLLOUTS_PARTITION)
+        return local
+
     def collect(self, step: int) -> tuple[list[KVBatchMeta], dict[str, Any]]:
         """This step's chunks (``rows_per_step`` rows, whole groups) and their figures."""
         self.send(self.ledger.issue(step))
@@ -239,12 +258,12 @@ class ChunkCollector:
                 tag = chunk.tags[0]
                 calls += int(tag[CALLS_TAG])
                 if not self.filter.admits(step, int(tag[VERSION_TAG]), chunk.size):
-                    self.client.clear_samples(chunk.sample_ids, self.train_partition)
+                    self.client.clear_samples(chunk.sample_ids, ROLLOUTS_PARTITION)
                     dropped += chunk.size
                     self.send(self.ledger.replace(step, 1))
                     continue
                 failed += int(tag[FAILED_TAG])
-                chunks.append(chunk)
+                chunks.append(self._take(chunk))
                 have += chunk.size
             if have >= self.rows_per_step:
                 break
@@ -283,12 +302,13 @@ class Disaggregated(Callback):
         return AsyncMetricsLog(base.output_dir, packing=base.packing)
 
     # ------------------------------------------------------------------ workers
-    def start(self, client: Any) -> None:
-        """Register the exchange partitions, publish version 0, start the worker processes."""
+    def start(self, local: Any) -> None:
+        """Open the shared store (``tq.backend``, owned here), register the exchange partitions,
+        publish version 0, start the worker processes. ``local``: the trainer's own store."""
         rc = self.rc
-        self.client = client
+        self.client = client = instantiate(self.recipe.cfg.tq.backend)
         self.collector = ChunkCollector(
-            client, train_partition=rc.train_partition, prompts_per_step=rc.prompts_per_step,
+            client, local, train_partition=rc.train_partition, prompts_per_step=rc.prompts_per_step,
             group_size=rc.group_size, workers=rc.rollout_workers, max_staleness=rc.max_staleness,
             procs=self.procs)
         self.collector.register()
@@ -316,6 +336,8 @@ class Disaggregated(Callback):
             if proc.is_alive():
                 proc.kill()
                 proc.join(2.0)
+        if self.client is not None:
+            self.client.close()  # the owner drops the shared store (idempotent)
 
     def prepare_step(self, step: int) -> KVBatchMeta:
         """The step source under the disaggregated topology (see the module docstring)."""

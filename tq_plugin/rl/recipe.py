@@ -156,8 +156,8 @@ class RLRecipe:
                                media=self.media)
 
     def _setup_trainer(self) -> None:
-        self.callback = DataPlaneCallback(
-            self.cfg.tq.backend, role="policy",
+        self.callback = DataPlaneCallback(  # disaggregated: the step rows in the trainer's own store
+            None if getattr(self, "disaggregated", None) else self.cfg.tq.backend, role="policy",
             partitions=[{"partition_id": self.rc.train_partition, "fields": []}],
         )
         self.step_callback = RLStepCallback(self)

@@ -25,6 +25,7 @@ an error (its traceback goes to stderr and its exit code tells the trainer it di
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 from dataclasses import dataclass
@@ -34,7 +35,12 @@ import torch
 from hydra.utils import instantiate
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+from tq_plugin.data_plane import LocalDataPlane
+
 WEIGHTS_PARTITION = "policy_weights"
+# The shared partition the workers deliver finished training rows into (the trainer claims
+# them there and copies each chunk into its own store).
+ROLLOUTS_PARTITION = "rollouts"
 WEIGHTS = "weights"
 WEIGHT_VERSION = "weight_version"
 TICKET_FIELDS = ("ticket", "target", "min_version", "prompts")
@@ -67,6 +73,47 @@ def publish_weights(client: Any, model: torch.nn.Module, version: int, *, keep: 
         client.clear_samples(old, WEIGHTS_PARTITION)
 
 
+# Where each client method takes its partition: (keyword, position).
+_PARTITION_ARG = {
+    "register_partition": 0, "put_samples": 1, "get_samples": 1, "get_tags": 1,
+    "clear_samples": 1, "list_sample_ids": 0, "claim_meta": 0, "check_consumption_status": 0,
+}
+
+
+class SplitClient:
+    """A client that keeps a worker's staging partitions in an embedded store of its own and
+    sends every other partition (training rows, tickets, weights) to the shared store.
+
+    ``recipe.worker_staging=local``: a worker's staged calls are read back only by that worker
+    (its prefix cache and its reassembler), so keeping them in its own memory saves the shared
+    store two round trips per call; what the trainer needs, the finished training rows, still
+    goes to the shared store in one put per chunk. A worker that dies loses only staged calls
+    of rollouts it had not finished (their ticket is reassigned either way).
+    """
+
+    def __init__(self, shared: Any, local: Any, shared_partitions: set[str]) -> None:
+        self._shared, self._local, self._partitions = shared, local, shared_partitions
+
+    def _route(self, partition_id: str) -> Any:
+        return self._shared if partition_id in self._partitions else self._local
+
+    def __getattr__(self, name: str) -> Any:
+        shared = getattr(self._shared, name)
+        if name == "get_data":
+            return lambda meta, *a, **kw: self._route(meta.partition_id).get_data(meta, *a, **kw)
+        if name not in _PARTITION_ARG:
+            return shared  # attributes (supports_put_mode, ...): both stores agree
+        where = _PARTITION_ARG[name]
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            pid = kwargs["partition_id"] if "partition_id" in kwargs else args[where]
+            return getattr(self._route(pid), name)(*args, **kwargs)
+
+        # accepts_put_mode reads the signature: the shared store's is the one that counts.
+        call.__signature__ = inspect.signature(shared)  # type: ignore[attr-defined]
+        return call
+
+
 @dataclass
 class WorkerSpec:
     """What a worker process is built from (pickled to it)."""
@@ -88,10 +135,13 @@ def _build(spec: WorkerSpec) -> tuple[Any, Any, Any, Any]:
     policy = instantiate(cfg.model, output_token_ids=task.output_token_ids,
                          vocab_size=task.vocab_size, image_token_id=IMG,
                          patch_dim=task.patch_dim if media else None)
-    sink = instantiate(cfg.tq.staging)(spec.client)
+    client = spec.client
+    if rc.worker_staging == "local":
+        client = SplitClient(client, LocalDataPlane(), {ROLLOUTS_PARTITION})
+    sink = instantiate(cfg.tq.staging)(client)
     rollout = RolloutWorker(task=task, sink=sink, temperature=rc.temperature,
                             max_new_tokens=rc.max_new_tokens)
-    reassembler = RolloutReassembler(spec.client, staging_partition=sink.staging_partition,
+    reassembler = RolloutReassembler(client, staging_partition=sink.staging_partition,
                                      capture_media=media, pad_token_id=PAD, clear_staged=True)
     return task, policy, rollout, reassembler
 
@@ -157,16 +207,16 @@ def worker_main(spec: WorkerSpec, stop: Any) -> None:
         generator = torch.Generator().manual_seed(rc.seed * 1_000_003 + 7919 * ticket["ticket"] + 1)
         batch = rollout.run(policy, step=ticket["ticket"], prompts=ticket["prompts"],
                             group_size=rc.group_size, generator=generator, weight_version=version)
-        rows = reassembler.finalize_group(batch.receipts, partition_id=rc.train_partition)
+        rows = reassembler.finalize_group(batch.receipts, partition_id=ROLLOUTS_PARTITION)
         n = rows.size
         tag = {TICKET_TAG: ticket["ticket"], VERSION_TAG: version, CALLS_TAG: batch.staged_calls,
                FAILED_TAG: batch.failed_calls, "target": ticket["target"], "worker": spec.index}
         client.put_samples(
-            rows.sample_ids, rc.train_partition,
+            rows.sample_ids, ROLLOUTS_PARTITION,
             fields={"turn_rewards": batch.turn_scores / task.turns,
                     WEIGHT_VERSION: torch.full((n,), version, dtype=torch.int64)},
             tags=[tag] * n)
         client.clear_samples([ticket["id"]], partition)
 
 
-__all__ = ["WorkerSpec", "newest_weights", "next_ticket", "publish_weights", "tickets_partition", "worker_main"]
+__all__ = ["ROLLOUTS_PARTITION", "SplitClient", "WorkerSpec", "newest_weights", "next_ticket", "publish_weights", "tickets_partition", "worker_main"]
