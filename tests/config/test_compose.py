@@ -120,7 +120,11 @@ def test_option_composes_validates_and_instantiates(compose_train, tmp_path, gro
         assert isinstance(model, TinyTransformer if option == "tiny_transformer" else nn.Module)
     elif group == "trainer":
         import lightning.pytorch as pl
+        import torch
 
+        if node.accelerator == "gpu" and not torch.cuda.is_available():
+            pytest.skip(f"trainer={option} needs a CUDA GPU to instantiate (composed and "
+                        "validated above)")
         trainer = instantiate(node, max_steps=1, enable_progress_bar=False, logger=False,
                               default_root_dir=str(tmp_path))
         assert isinstance(trainer, pl.Trainer)

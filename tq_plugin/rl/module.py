@@ -37,8 +37,10 @@ from tq_plugin.lightning.driver import TQDriverMixin
 from tq_plugin.lightning.layout import POSITION_IDS, SEGMENT_IDS
 from tq_plugin.lightning.module import MICROBATCH_INFO, MetaBatchMixin
 from tq_plugin.lightning.plan import plan_step
+from tq_plugin.rl.generate import device_of
 from tq_plugin.rl.metrics import add_stats, rl_metrics
 from tq_plugin.rl.model import TinyTransformer, entropy, shift_values, token_logprobs
+from tq_plugin.rl.ranks import SCALED_BY_WORLD
 from tq_plugin.staging import MEDIA_IMGS_FIELD
 
 POLICY_TRAIN_FIELDS = [INPUT_IDS, INPUT_LENGTHS, TOKEN_MASK, SAMPLE_MASK, PREV_LOGPROBS, ADVANTAGES]
@@ -79,8 +81,8 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         kwargs: dict[str, Any] = {}
         if POSITION_IDS in td.keys():  # noqa: SIM118  (a TensorDict has no `in`)
             kwargs = {"position_ids": td[POSITION_IDS], "segment_ids": td[SEGMENT_IDS]}
-        if self.media:
-            kwargs["image_patches"] = self.read_patches(meta).to(self.device)
+        if self.media:  # the patches go where the token ids are (the model's device)
+            kwargs["image_patches"] = self.read_patches(meta).to(td[INPUT_IDS].device)
         return kwargs
 
     def read_patches(self, meta: KVBatchMeta) -> torch.Tensor:
@@ -97,22 +99,24 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         ``role="policy"`` writes ``prev_logprobs``, ``role="value"`` writes ``values``. The pass
         runs on its own isolated meta (so the value model's pad target never comes from the
         policy's dispatch), in microbatches under the ``logprob_mb_tokens`` budget and in the
-        training layout; each microbatch's output goes back as rows (``dp_rows``).
+        training layout; each microbatch's output goes back as rows (``dp_rows``). The columns
+        are moved to the model's device and its output back to the host before the write.
         """
         model, field = (self.policy, PREV_LOGPROBS) if role == "policy" else (self.value, VALUES)
         task = "prev_lp" if role == "policy" else "value_fwd"
         was_training = model.training
         model.eval()
+        device = device_of(model)
         for mb in plan_step(meta, host=self, fields=[INPUT_IDS, INPUT_LENGTHS], task_name=task,
                             step=step, mb_tokens_key="logprob_mb_tokens",
                             micro_batch_size=self.cfg["train_micro_batch_size"]):
             if not mb.size:
                 continue
-            td = self.dp_materialize(mb)
+            td = self.dp_materialize(mb).to(device)
             ids = td[INPUT_IDS]
             out = model(ids, **self._inputs(td, mb))
             out = token_logprobs(out, ids, self.rc.temperature) if role == "policy" else shift_values(out)
-            self.write_to_dataplane(mb, {field: self.dp_rows(out)})
+            self.write_to_dataplane(mb, {field: self.dp_rows(out.cpu())})
         model.train(was_training)
 
     # ------------------------------------------------------------------ training
@@ -187,7 +191,7 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         add_stats(self._gb_stats, stats)
         if not info["last_in_global_batch"]:
             return
-        figures = rl_metrics(self._gb_stats, 1)
+        figures = rl_metrics(self.rank_totals(self._gb_stats), 1)
         self._gb_stats = {}
         if self.value is None:
             figures.pop("value_loss")
@@ -197,6 +201,27 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         self.log_dict(logged, on_step=True, on_epoch=False, batch_size=batch_size)
         self.log_dict({"rl/reward": float(self.current_reward)},
                       prog_bar=True, on_step=True, on_epoch=False, batch_size=batch_size)
+
+    def rank_totals(self, sums: dict[str, float]) -> dict[str, float]:
+        """One global batch's microbatch sums over every DDP rank, combined as
+        ``tq_plugin.rl.ranks.merge_rank_steps`` combines a step's: summed, the losses counted
+        once (each rank's carries the world size), ``seconds`` the slowest rank's. So the logged
+        ``rl/*`` are the figures ``metrics.csv`` holds, not rank 0's (one all-reduce sum, one max)."""
+        strategy = self.trainer.strategy
+        world = self.trainer.world_size
+        if world == 1:
+            return dict(sums)
+        keys = sorted(sums)
+        values = torch.tensor([sums[k] for k in keys], dtype=torch.float64,
+                              device=strategy.root_device)
+        longest = strategy.reduce(values.clone(), reduce_op="max")
+        total = dict(zip(keys, strategy.reduce(values, reduce_op="sum").tolist(), strict=True))
+        for key in SCALED_BY_WORLD:
+            if key in total:
+                total[key] /= world
+        if "seconds" in total:
+            total["seconds"] = float(longest[keys.index("seconds")])
+        return total
 
     @staticmethod
     def _row_values(per_row: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

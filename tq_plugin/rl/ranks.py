@@ -45,12 +45,14 @@ def check_parallel_run(trainer: Any, *, backend: Any, global_batch: int,
         raise ValueError(f"trainer.strategy: the recipes run on one device or data-parallel "
                          f"(auto, ddp, ddp_spawn); got {strategy}")
     accelerator = type(trainer.accelerator).__name__
-    if accelerator != "CPUAccelerator":
-        raise ValueError(
-            f"trainer.accelerator: the recipes run on CPU only for now (got {accelerator}): "
-            "rollout sampling (tq_plugin.rl.generate) and the no-grad logprob/value passes "
-            "(RLModule.forward_pass) keep their tensors on the host")
     world = trainer.world_size
+    if accelerator not in ("CPUAccelerator", "CUDAAccelerator"):
+        raise ValueError(f"trainer.accelerator: the recipes run on the CPU or one CUDA GPU "
+                         f"(trainer=cpu, trainer=gpu); got {accelerator}")
+    if accelerator == "CUDAAccelerator" and world > 1:
+        raise ValueError(
+            f"trainer.devices: the recipes run on one CUDA GPU for now (got {world} ranks); "
+            "data-parallel runs are CPU only (trainer=ddp_cpu) until a multi-GPU run is tested")
     if world == 1:
         return
     if global_batch % world:
