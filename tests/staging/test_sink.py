@@ -232,3 +232,20 @@ def test_every_put_goes_to_the_staging_partition_with_tags(client, text_sink, ch
     (put,) = client.of("put_samples")
     assert put["partition_id"] == TEXT_PARTITION and put["sample_ids"] == ["r/c0"]
     assert put["tags"][0]["weight_version"] == 4 and put["tags"][0]["digest"] == record.digest
+
+
+@pytest.mark.parametrize(
+    "bad", [torch.tensor(5), torch.tensor([[1], [2]])], ids=["0-d", "two rows"]
+)
+def test_store_put_checks_every_leaf_of_the_one_row_batch(client, bad) -> None:
+    """The staging store builds its one-row TensorDict unchecked only for plain [1, ...]
+    tensors; any other leaf gets the checked constructor, so nothing malformed is sent."""
+    from tq_plugin.staging import TQStagingStore
+
+    store = TQStagingStore(client, staging_partition=TEXT_PARTITION)
+    with pytest.raises(RuntimeError, match="batch"):
+        store.put("r/c0", {"prev_len": torch.tensor([[0]]), "delta_len": bad})
+    assert client.of("put_samples") == []
+    store.put("r/c0", {"prev_len": torch.nn.Parameter(torch.zeros(1, 1), requires_grad=False)})
+    (call,) = client.of("put_samples")
+    assert tuple(call["fields"].batch_size) == (1,)
