@@ -246,14 +246,22 @@ def _float32_of_exact(exact: np.ndarray, values: Any, name: str) -> bytes:
     return exact.astype(">f4").tobytes()
 
 
-def _float_list_pair(
-    mask: Any, logprobs: Any
-) -> tuple[np.ndarray, bytes, np.ndarray, bytes] | None:
-    """Both float columns through one list read, one check and one cast, when both are lists
-    of exact, finite, float32-representable floats; None otherwise (or when unreadable)."""
-    if type(mask) is not list or type(logprobs) is not list:
+def _float_pair(mask: Any, logprobs: Any) -> tuple[np.ndarray, bytes, np.ndarray, bytes] | None:
+    """Both float columns through one check and one cast: two lists of exact floats (one list
+    read) or two 1-D float arrays of one dtype (one concatenation), every value finite and
+    float32-representable; None for anything else, which then goes column by column."""
+    if type(mask) is list and type(logprobs) is list:
+        exact = _exact_column(mask + logprobs, _MARSHAL_FLOATS)
+    elif (
+        type(mask) is np.ndarray
+        and type(logprobs) is np.ndarray
+        and mask.dtype == logprobs.dtype
+        and mask.dtype.kind == "f"
+        and mask.ndim == logprobs.ndim == 1
+    ):
+        exact = np.concatenate((mask, logprobs))
+    else:
         return None
-    exact = _exact_column(mask + logprobs, _MARSHAL_FLOATS)
     if exact is None or not _all_float32(exact):
         return None
     raw, n = exact.astype(">f4").tobytes(), len(mask)
@@ -488,8 +496,8 @@ def staging_digest_and_columns(
         prev_len=prev_len,
     )
     count, ids_raw = token_id_bytes(token_ids_delta, "token_ids_delta", check_types=check_types)
-    pair = _float_list_pair(token_mask_delta, generation_log_probs_delta)
-    if pair is None:  # not two clean lists: column by column, naming any culprit
+    pair = _float_pair(_as_numpy(token_mask_delta), _as_numpy(generation_log_probs_delta))
+    if pair is None:  # column by column, naming any culprit
         mask, mask_raw = float32_bytes(
             token_mask_delta, "token_mask_delta", check_types=check_types
         )
