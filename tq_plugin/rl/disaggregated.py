@@ -84,6 +84,7 @@ from tq_plugin.rl.workers import (
     WorkerSpec,
     publish_weights,
     tickets_partition,
+    weights_task,
     worker_main,
 )
 from tq_plugin.staging.reassembler import FINALIZED_FIELDS_TAG
@@ -175,19 +176,24 @@ class ChunkCollector:
 
     def register(self) -> None:
         """The exchange partitions (before any worker starts)."""
-        self.client.register_partition(WEIGHTS_PARTITION, [WEIGHTS, WEIGHT_VERSION])
+        self.client.register_partition(
+            WEIGHTS_PARTITION, [WEIGHTS, WEIGHT_VERSION],
+            consumer_tasks=[weights_task(k) for k in range(self.ledger.workers)])
         self.client.register_partition(ROLLOUTS_PARTITION, [], consumer_tasks=[READY_TASK])
         for k in range(self.ledger.workers):
             self.client.register_partition(tickets_partition(k), list(TICKET_FIELDS),
                                            consumer_tasks=[GENERATE_TASK])
 
     def send(self, tickets: list[Ticket]) -> None:
-        for t in tickets:
+        """One put per worker with tickets."""
+        for worker in sorted({t.worker for t in tickets}):
+            mine = [t for t in tickets if t.worker == worker]
             self.client.put_samples(
-                [f"t{t.ticket}"], tickets_partition(t.worker),
-                fields={"ticket": torch.tensor([t.ticket]), "target": torch.tensor([t.target]),
-                        "min_version": torch.tensor([t.min_version]),
-                        "prompts": torch.tensor([self.chunk_prompts])})
+                [f"t{t.ticket}" for t in mine], tickets_partition(worker),
+                fields={"ticket": torch.tensor([t.ticket for t in mine]),
+                        "target": torch.tensor([t.target for t in mine]),
+                        "min_version": torch.tensor([t.min_version for t in mine]),
+                        "prompts": torch.full((len(mine),), self.chunk_prompts)})
 
     def check_workers(self) -> None:
         """Report each newly dead worker and reassign its undelivered tickets; ``RuntimeError``

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +56,12 @@ def weights_id(version: int) -> str:
     return f"v{version}"
 
 
+def weights_task(worker: int) -> str:
+    """Worker ``worker``'s consumer task on the weights partition: a blocking claim there
+    returns when a new version lands (no polling)."""
+    return f"weights_w{worker}"
+
+
 def newest_weights(client: Any) -> int | None:
     """The newest version in the weights partition (None before the first publish)."""
     versions = [int(i[1:]) for i in client.list_sample_ids(WEIGHTS_PARTITION)]
@@ -68,9 +73,8 @@ def publish_weights(client: Any, model: torch.nn.Module, version: int, *, keep: 
     flat = parameters_to_vector([p.detach() for p in model.parameters()]).float().unsqueeze(0)
     client.put_samples([weights_id(version)], WEIGHTS_PARTITION,
                        fields={WEIGHTS: flat, WEIGHT_VERSION: torch.tensor([version])})
-    old = [i for i in client.list_sample_ids(WEIGHTS_PARTITION) if int(i[1:]) <= version - keep]
-    if old:
-        client.clear_samples(old, WEIGHTS_PARTITION)
+    if version >= keep:  # versions are published in order: the one ``keep`` back is the oldest
+        client.clear_samples([weights_id(version - keep)], WEIGHTS_PARTITION)
 
 
 # Where each client method takes its partition: (keyword, position).
@@ -199,8 +203,12 @@ def worker_main(spec: WorkerSpec, stop: Any) -> None:
             held += [{f: int(order[f][i]) for f in TICKET_FIELDS} | {"id": sid}
                      for i, sid in enumerate(meta.sample_ids)]
         ticket = next_ticket(held, newest_weights(client))
-        if ticket is None:
-            time.sleep(0.002)
+        if ticket is None:  # every held ticket waits for newer weights: wait for a publish
+            try:
+                client.claim_meta(WEIGHTS_PARTITION, weights_task(spec.index), [WEIGHT_VERSION],
+                                  batch_size=64, blocking=True, timeout_s=0.05)
+            except TimeoutError:
+                pass
             continue
         held.remove(ticket)
         version = weights.load_newest()
@@ -219,4 +227,5 @@ def worker_main(spec: WorkerSpec, stop: Any) -> None:
         client.clear_samples([ticket["id"]], partition)
 
 
-__all__ = ["ROLLOUTS_PARTITION", "SplitClient", "WorkerSpec", "newest_weights", "next_ticket", "publish_weights", "tickets_partition", "worker_main"]
+__all__ = ["ROLLOUTS_PARTITION", "SplitClient", "WorkerSpec", "newest_weights", "next_ticket",
+           "publish_weights", "tickets_partition", "weights_task", "worker_main"]
