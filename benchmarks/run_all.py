@@ -14,7 +14,7 @@ import sys
 from benchmarks._common import machine
 
 MODULES = ["bench_data_plane", "bench_backends", "bench_packing", "bench_lightning", "bench_staging",
-           "soak"]
+           "bench_topology", "soak"]
 HERE = pathlib.Path(__file__).parent
 
 
