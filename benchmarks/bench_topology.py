@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", type=Path, default=Path("docs/topology_reward.png"))
     args = parser.parse_args(argv if argv is not None else [])
     if args.curves:
-        plot_curves(dict(c.split("=", 1) for c in args.curves), args.out)
+        plot_curves(dict(c.rsplit("=", 1) for c in args.curves), args.out)
         print(f"wrote {args.out}")
         return {"markdown": ""}
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)

@@ -353,7 +353,7 @@ def test_two_worker_grpo_run(tmp_path, ray_session):
 @pytest.mark.usefixtures("_clean_hydra")
 def test_a_worker_killed_mid_run(tmp_path, ray_session, capfd):
     _, result, rows, killer = _run(tmp_path, "recipe.rollout_workers=2", "recipe.num_steps=5",
-                                        kill=(0, 2))
+                                   "recipe.worker_staging=shared", kill=(0, 2))
     assert killer.killed is not None
     assert result["status"] == "ok" and len(rows) == 5 and result["workers_lost"] == 1
     assert int(rows[-1]["workers_alive"]) == 1
