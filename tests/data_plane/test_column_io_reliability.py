@@ -390,6 +390,7 @@ def _must_refuse(lens, dtype, layout, width, ids, pad, overwrite, existing) -> b
 @example(case=([2, 3], torch.int64, "jagged", 3, ["a", "n1"], [0.0, 0.0], 1, False))  # issue #12
 @example(case=([0, 0], torch.int64, "padded", 0, ["n0", "n1"], [float("nan")] * 2, 1, False))
 @example(case=([0], torch.int32, "padded", 0, ["n0"], [0.0], 1, False))  # dtype is the store's rule
+@example(case=([4], torch.int64, "absent", 4, ["b"], [0.0], 1, False))  # equal to a held row: still not a retry
 def test_fuzz_first_write(case):
     lens, dtype, layout, width, ids, special, pad, overwrite = case
     client = LocalDataPlane()

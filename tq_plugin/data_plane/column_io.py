@@ -20,6 +20,7 @@ from tensordict import TensorDict, TensorDictBase
 from tq_plugin.data_plane.client import accepts_put_mode, call_dp
 from tq_plugin.data_plane.meta import KVBatchMeta
 from tq_plugin.data_plane.schema import (
+    DP_TRAIN_FIELDS,
     GLOBAL_FORWARD_PAD_SEQLEN,
     INPUT_LENGTHS,
     PAD_TO_MULTIPLE,
@@ -303,7 +304,18 @@ def _rows_hold_this_write(
     client: Any, ids: list[str], partition_id: str, columns: Mapping[str, torch.Tensor]
 ) -> bool:
     """True when the rows ``ids`` already hold some of ``columns``, each exactly as given, and
-    nothing that differs: the trace of an earlier attempt of this same write."""
+    nothing that differs: the trace of an earlier attempt of this same write.
+
+    Rows that also hold a training column this write does not carry (``input_ids``, say) were
+    written by someone else, however equal the shared columns are: not a retry.
+    """
+    for name in sorted({*DP_TRAIN_FIELDS, *TOKEN_ALIGNED_FIELDS} - set(columns)):
+        try:
+            call_dp(client, "get_samples", sample_ids=ids, partition_id=partition_id,
+                    select_fields=[name])
+        except KeyError:
+            continue
+        return False
     matched = 0
     for name, value in columns.items():
         try:
