@@ -14,23 +14,30 @@ import sys
 from benchmarks._common import machine
 
 MODULES = ["bench_data_plane", "bench_backends", "bench_packing", "bench_lightning", "bench_staging",
-           "bench_topology", "soak"]
+           "bench_topology", "soak", "reliability"]
 HERE = pathlib.Path(__file__).parent
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run the named benchmarks (default: all), keep each section in ``benchmarks/out/``, and
+    rebuild ``RESULTS.md`` from every section measured so far, in ``MODULES`` order."""
     wanted = (argv if argv is not None else sys.argv[1:]) or MODULES
-    sections = []
+    out_dir = HERE / "out"
+    out_dir.mkdir(exist_ok=True)
     for name in wanted:
         module = importlib.import_module(f"benchmarks.{name}")
         print(f"== {name}", flush=True)
-        sections.append(module.main()["markdown"])
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        section = module.main()["markdown"]
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        (out_dir / f"{name}.md").write_text(f"{section}\n\n_Measured {stamp}._\n")
+    sections = [(out_dir / f"{n}.md").read_text().rstrip() for n in MODULES
+                if (out_dir / f"{n}.md").exists()]
     text = "\n\n".join(
         [
             "# Benchmark results",
-            f"Measured {stamp} with `make bench` on: {machine()}.",
-            "Medians of repeated runs; every ratio compares figures taken in the same run.",
+            f"Written by `make bench` on: {machine()}.",
+            ("Every figure is the median (min–max) of repeated runs unless it says otherwise; "
+            "every ratio compares figures taken in the same run, interleaved."),
             *sections,
         ]
     )
