@@ -354,3 +354,13 @@ def test_list_reader_and_struct_fallback_hash_alike(n: int, monkeypatch: pytest.
         assert compute_staging_digest(**call) == fast
         monkeypatch.setattr(digest_module, "_MARSHAL_OK", True)
     assert digest_module._MARSHAL_OK is digest_module._marshal_layout_holds()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["ab" * 31 + " a", "ab" * 31 + "AB", "ab " * 21 + "a", "\u0660" * 64, "ab" * 31 + "a", "ab" * 33],
+)
+def test_hex_digests_must_be_exactly_64_lowercase_hex_characters(bad: str) -> None:
+    with pytest.raises(ValueError, match="chain_hash must be a lowercase SHA-256 hex digest"):
+        compute_chain_hash(bad, [1])
+    assert compute_chain_hash("ab" * 32, [1]) != compute_chain_hash(None, [1])
