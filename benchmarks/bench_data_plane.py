@@ -145,7 +145,7 @@ def overwrite_cost_us(rows: int, writes: int = 2000, runs: int = 5) -> Stat:
         dp.put_samples(ids, "w", {"adv": nested_from_lengths(torch.zeros(int(lengths.sum())), lengths)})
         t = time.perf_counter()
         for i in range(writes):
-            dp.put_samples([ids[i % rows]], "w", {"adv": new[i]})
+            dp.put_samples([ids[i % rows]], "w", {"adv": new[i % len(new)]})
         per_op.append((time.perf_counter() - t) / writes * 1e6)
         dp.close()
     return Stat.of(per_op)
