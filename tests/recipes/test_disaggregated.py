@@ -15,7 +15,9 @@ import logging
 import os
 import random
 import signal
+import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -360,3 +362,38 @@ def test_a_worker_killed_mid_run(tmp_path, ray_session, capfd):
     err = capfd.readouterr().err
     assert f"rollout worker 0 (pid {killer.killed}) died with exit code -9; continuing on 1" in err
     print(err[-2000:], file=sys.stderr)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_trainer_killed_leaves_no_worker_behind(tmp_path, ray_session):
+    """SIGKILL the trainer process mid-run: its rollout workers notice their parent is gone and
+    exit (no process of the run is left behind)."""
+    import psutil  # a Ray dependency
+
+    address = ray_session.get_runtime_context().gcs_address
+    cmd = [sys.executable, "-m", "tq_plugin.cli", "--config-name", "grpo",
+           f"hydra.run.dir={tmp_path}", *FAST, *RAY, "recipe.rollout_workers=2",
+           "recipe.num_steps=10000", f"tq.backend.address={address}",
+           "++tq.backend.ray_init.log_to_driver=false"]
+    trainer = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(workers) < 2 and time.monotonic() < deadline:  # the two spawned workers
+            workers = [p for p in psutil.Process(trainer.pid).children()
+                       if "spawn_main" in " ".join(p.cmdline())]
+            time.sleep(0.5)
+        assert len(workers) == 2, "the trainer did not start its two workers"
+        time.sleep(5)  # mid-run: workers generating
+        trainer.kill()
+        trainer.wait(10)
+        _, alive = psutil.wait_procs(workers, timeout=30)
+        assert not alive, f"workers outlived the trainer: {[p.pid for p in alive]}"
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait(10)
+        for p in workers:  # only the processes this test's trainer started
+            if p.is_running():
+                p.kill()
