@@ -10,14 +10,19 @@ exchanges with the trainer goes through that store:
   they come and runs, of those it holds, the lowest target the newest weights allow;
 * **weights** (partition ``policy_weights``): one row per version (``v{n}``: the flat parameter
   vector and its ``weight_version``). Before each ticket the worker loads the newest version;
+  while every ticket it holds waits for newer weights it blocks on a claim of that partition
+  (its own consumer task), which returns when the trainer publishes;
 * **rows**: the worker stages every call through ``TQTokenSink`` (``RolloutWorker`` stamps the
-  weights' version on each), hands the finished groups to ``RolloutReassembler`` (which writes
-  the training rows), then writes ``turn_rewards`` and the per-row ``weight_version`` in one
-  more put, tagged with the ticket. That put is the rows' ready signal: the trainer claims rows
-  whose ``weight_version`` is written, so it never sees a chunk half done.
+  weights' version on each; ``recipe.worker_staging=local`` keeps the staged calls in the
+  worker's own embedded store, ``shared`` in the shared one), hands the finished groups to
+  ``RolloutReassembler``, which writes the training rows into the shared ``rollouts``
+  partition, then writes ``turn_rewards`` and the per-row ``weight_version`` in one more put,
+  tagged with the ticket. That put is the rows' ready signal: the trainer claims rows whose
+  ``weight_version`` is written, so it never sees a chunk half done.
 
-Ray is not imported here (only the backend adapters may): the worker processes are plain OS
-processes, and everything Ray-specific happens inside the client.
+Ray is not imported here (only the backend adapters may, ``tests/test_architecture.py``): the
+workers are ``multiprocessing`` processes rather than Ray actors, and everything Ray-specific
+happens inside the client they attach with.
 
 A worker stops when the trainer sets its stop event, when its parent process is gone, or on
 an error (its traceback goes to stderr and its exit code tells the trainer it died).
