@@ -2,8 +2,8 @@
 
 Every read is one batched ``get_samples`` in request order. Jagged columns are split by
 their offsets once per batch (never a nested-tensor index per row), and each row becomes a
-normally validated base snapshot, whose construction recomputes the digest over the exact
-float32 values read. A missing, duplicate or mismatched row raises ``KeyError``: the
+normally validated base snapshot whose digest is recomputed over the exact int64 / float32
+values read (once, over the arrays: ``validated_snapshot``). A missing, duplicate or mismatched row raises ``KeyError``: the
 finalizer maps it to a placeholder, never a silent short read.
 """
 
