@@ -222,25 +222,25 @@ def test_fetch_hashes_each_row_once_over_the_arrays_read(
 
 def test_a_handed_digest_never_vouches_for_other_values(staged) -> None:
     """Validation skips its own hash only for the digest the row carries; any other handed
-    digest, or columns that do not hash to the row's digest, get the usual check."""
+    digest, or columns that do not hash to the row's digest, get the usual check. The lists
+    a snapshot holds are made from the very arrays that were hashed."""
     from tq_plugin.staging.records import _DIGEST_RECOMPUTED, validated_snapshot
 
     fields = staged[0].model_dump(exclude={"extras"})
+    names = ["token_ids_delta", "token_mask_delta", "generation_log_probs_delta"]
+    scalars = {k: v for k, v in fields.items() if k not in names}
     logprobs = [*fields["generation_log_probs_delta"][:-1], -0.75]
     tampered = {**fields, "generation_log_probs_delta": logprobs}
     with pytest.raises(ValueError, match="digest does not match"):
         StagedCallBaseSnapshot.model_validate(tampered, context={_DIGEST_RECOMPUTED: "0" * 64})
-    columns = {
-        "token_ids_delta": np.asarray(tampered["token_ids_delta"], dtype=np.int64),
-        "token_mask_delta": np.asarray(tampered["token_mask_delta"], dtype=np.float32),
-        "generation_log_probs_delta": np.asarray(logprobs, dtype=np.float32),
-    }
+    dtypes = dict(zip(names, (np.int64, np.float32, np.float32)))
+    good = {k: np.asarray(fields[k], dtype=dtypes[k]) for k in names}
+    bad = {**good, "generation_log_probs_delta": np.asarray(logprobs, dtype=np.float32)}
     with pytest.raises(ValueError, match="digest does not match"):
-        validated_snapshot(StagedCallBaseSnapshot, tampered, columns)
-    good = {k: np.asarray(fields[k], dtype=v.dtype) for k, v in columns.items()}
-    assert validated_snapshot(StagedCallBaseSnapshot, fields, good).model_dump() == fields
+        validated_snapshot(StagedCallBaseSnapshot, scalars, bad)
+    assert validated_snapshot(StagedCallBaseSnapshot, scalars, good).model_dump() == fields
     with pytest.raises(ValueError, match="delta must contain at least one token"):
-        validated_snapshot(StagedCallBaseSnapshot, {**fields, "delta_len": 0}, good)
+        validated_snapshot(StagedCallBaseSnapshot, {**scalars, "delta_len": 0}, good)
 
 
 def test_jagged_columns_are_read_without_the_dispatched_values_call(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+import numpy as np
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -213,17 +214,22 @@ class StagedCallBaseSnapshot(_DigestWireModel):
         return self
 
 
-def validated_snapshot(cls: type[Any], fields: dict[str, Any], columns: dict[str, Any]) -> Any:
-    """``cls(**fields)``, with the digest recomputed over ``columns`` (numpy arrays holding
-    exactly the values of ``fields``' three list columns) instead of over the lists.
+def validated_snapshot(
+    cls: type[Any], fields: dict[str, Any], columns: dict[str, np.ndarray]
+) -> Any:
+    """A snapshot of ``cls`` from ``fields`` plus ``columns`` (its three token columns as the
+    numpy arrays read), validated as ``cls(**fields, **lists)`` where each list is its
+    array's ``tolist()``, but with the digest recomputed over the arrays, not the lists.
 
-    Hashing a fetched int64 / float32 column is about twice as fast as hashing its list.
+    Hashing a fetched int64 / float32 column is about twice as fast as hashing its list,
+    and the lists are made here from those very arrays, so the digest vouches for them.
     Only our own snapshot class takes the digest that way (any other class, Gym's included,
     validates as usual); when the array digest fails or differs, the snapshot is validated
     as usual too, so a bad row raises exactly the error it always did.
     """
+    lists = {name: values.tolist() for name, values in columns.items()}
     if not (isinstance(cls, type) and issubclass(cls, StagedCallBaseSnapshot)):
-        return cls(**fields)
+        return cls(**fields, **lists)
     inputs = {name: fields.get(name) for name in _DIGEST_INPUTS}
     inputs.update(columns)
     try:
@@ -231,7 +237,7 @@ def validated_snapshot(cls: type[Any], fields: dict[str, Any], columns: dict[str
     except (TypeError, ValueError):
         digest = None
     context = {_DIGEST_RECOMPUTED: digest} if digest == fields.get("digest") else None
-    return cls.model_validate(fields, context=context)
+    return cls.model_validate({**fields, **lists}, context=context)
 
 
 class StagedCallRecord(StagedCallBaseSnapshot):

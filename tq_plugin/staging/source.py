@@ -3,8 +3,9 @@
 Every read is one batched ``get_samples`` in request order. Jagged columns are split by
 their offsets once per batch (never a nested-tensor index per row), and each row becomes a
 normally validated base snapshot whose digest is recomputed over the exact int64 / float32
-values read (once, over the arrays: ``validated_snapshot``). A missing, duplicate or mismatched row raises ``KeyError``: the
-finalizer maps it to a placeholder, never a silent short read.
+values read (once, over the arrays: ``validated_snapshot``). A missing, duplicate or
+mismatched row raises ``KeyError``: the finalizer maps it to a placeholder, never a silent
+short read.
 """
 
 from __future__ import annotations
@@ -200,7 +201,8 @@ class _Batch:
 
 
 def _snapshot_fields(batch: _Batch, i: int) -> dict[str, Any]:
-    """Row i's snapshot fields; digests must be 32 bytes, ``parent`` decoded only when present."""
+    """Row i's snapshot fields but its token columns (``_snapshot_columns``); digests must be
+    32 bytes, ``parent`` decoded only when present."""
     out: dict[str, Any] = {name: batch.ints(name)[i] for name in _INT_FIELDS}
     code = batch.ints("capture_mode")[i]
     if code not in _CODE_TO_MODE:
@@ -218,8 +220,6 @@ def _snapshot_fields(batch: _Batch, i: int) -> dict[str, Any]:
             raise ValueError(f"staged {column!r} must be 32 bytes, got {len(raw)}")
         present = True if flag is None else batch.bools(flag)[i]
         out[attr] = raw.hex() if present else None
-    for attr, values in _snapshot_columns(batch, i).items():
-        out[attr] = values.tolist()
     return out
 
 
