@@ -131,8 +131,13 @@ def measure(n: int, runs: int = 9) -> dict[str, object]:
     return out
 
 
-def overwrite_cost_us(rows: int, writes: int = 2000, runs: int = 5) -> Stat:
-    """One-row write-backs of another length into a partition of ``rows`` jagged rows: per op."""
+def overwrite_cost_us(rows: int, writes: int | None = None, runs: int = 5) -> Stat:
+    """One-row write-backs of another length into a partition of ``rows`` jagged rows: per op.
+
+    Every row is written back once (a write-back pass, as a PPO epoch makes), so the buffer
+    growth and compaction a pass causes are amortized over the writes that cause them.
+    """
+    writes = rows if writes is None else writes
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(100, 2001, (rows,), generator=g)
     ids = [f"s{i}" for i in range(rows)]

@@ -70,9 +70,7 @@ class TaskCursors:
                     )
                 self._produced.wait(left)
             part.consumed[task_name].update(ids)
-            pending = part.pending[task_name]
-            for s in ids:
-                del pending[s]
+            part.drop_pending(task_name, ids)
             lengths = self._column_ints(part, INPUT_LENGTHS, ids)
             tags = [copy_tag(part.tags.get(s, {})) for s in ids]
         return KVBatchMeta(

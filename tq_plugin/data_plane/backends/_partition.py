@@ -57,11 +57,30 @@ class Partition:
     # task -> live ids it has not claimed, in first-put order (dicts keep insertion order), so
     # a claim looks at the rows it hands out, not at every row of the partition.
     pending: dict[str, dict[str, None]] = field(default_factory=dict)
+    # per task, entries deleted from its pending dict since it was last rebuilt: a dict keeps
+    # deleted slots until it is rebuilt, and iteration walks them
+    pending_dead: dict[str, int] = field(default_factory=dict)
     # One-row puts of a known row layout wait here, packed, until a read (or a full buffer)
     # writes them into the columns in one batch: (slot, plan, packed bytes of the row).
     buffered: list[tuple[int, RowPlan, bytes]] = field(default_factory=list)
     plans: dict[tuple, RowPlan] = field(default_factory=dict)
     epoch: int = 0  # bumped whenever a column or the schema changes; plans of older epochs lapse
+
+    def drop_pending(self, task: str, ids: Any) -> None:
+        """Take ``ids`` off ``task``'s queue of unclaimed rows (claimed or cleared).
+
+        Once deleted slots outnumber live entries the dict is rebuilt, so walking the queue
+        from its front costs the rows it hands out, not every row ever claimed (amortized O(1)).
+        """
+        pending = self.pending[task]
+        before = len(pending)
+        for sid in ids:
+            pending.pop(sid, None)
+        dead = self.pending_dead.get(task, 0) + before - len(pending)
+        if dead > len(pending) + 64:
+            self.pending[task] = dict(pending)
+            dead = 0
+        self.pending_dead[task] = dead
 
     @property
     def live_bytes(self) -> int:

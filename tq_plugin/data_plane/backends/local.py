@@ -366,9 +366,7 @@ class LocalDataPlane(WritePath, RowBuffer, TaskCursors):
             for task, claimed in part.consumed.items():
                 if claimed:
                     claimed.difference_update(ids)
-                pending = part.pending[task]
-                for s in ids:
-                    pending.pop(s, None)
+                part.drop_pending(task, ids)
             part.epoch += 1  # columns may empty out (and then change kind): plans lapse
             if not part.slot_of:  # the partition is empty: start its slots afresh
                 self._live_bytes -= part.live_bytes
