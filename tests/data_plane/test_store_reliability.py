@@ -417,3 +417,21 @@ def test_a_flush_that_runs_out_of_memory_keeps_the_acknowledged_rows(staged, mon
     got = staged.get_samples([f"r{i}" for i in range(40)], "b", ["n", "tok"])
     assert got["n"].tolist() == list(range(40))
     assert [r.tolist() for r in got["tok"]][39] == [39, 40, 41]
+
+
+def test_rows_whose_jagged_lengths_vary_are_buffered_and_read_back_exactly():
+    d = LocalDataPlane()
+    d.register_partition("v", [], jagged_fields=["tok"])
+    rows = {f"r{i}": torch.arange(i + 1) * 3 for i in range(10)}  # lengths 1..10
+    for sid, tok in rows.items():
+        d.put_samples([sid], "v", {"tok": tok[None], "n": torch.tensor([len(tok)]),
+                                  "m": torch.ones(1, 3)})
+    assert len(d._partitions["v"].buffered) == 9  # only the first row took the full path
+    got = d.get_samples(list(rows), "v", ["tok", "n"])
+    assert [r.tolist() for r in got["tok"].unbind()] == [t.tolist() for t in rows.values()]
+    assert got["n"].tolist() == list(range(1, 11))
+    # a dense field of another width does not fit the plan: full path, the column turns jagged
+    d.put_samples(["w"], "v", {"tok": torch.tensor([[7]]), "n": torch.tensor([1]),
+                               "m": torch.ones(1, 2)})
+    got = d.get_samples(["r0", "w"], "v", ["m"])["m"]
+    assert got.is_nested and [len(r) for r in got.unbind()] == [3, 2]

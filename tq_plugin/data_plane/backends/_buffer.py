@@ -26,28 +26,32 @@ _string_at = ctypes.string_at
 
 
 class RowPlan(NamedTuple):
-    """A validated one-row layout: which fields, how each is stored, where its bytes sit in the
-    packed row. Built by the full validation of the first such row; reused while ``epoch`` holds."""
+    """A validated one-row layout: which fields, in which order, how each is stored.
+
+    Built by the full validation of the first such row; reused while ``epoch`` holds. A row
+    matches it when every field has the plan's dtype and trailing dims: a jagged field's length
+    (dim 1) may differ from row to row, a dense field's row shape may not.
+    """
 
     epoch: int
-    fields: tuple[tuple[str, ColumnSpec, tuple[int, ...], int, int], ...]  # name, spec, shape, start, stop
-    nbytes: int
-    order: tuple[int, ...]  # the put's fields in packing order (widest elements first: aligned)
+    fields: tuple[tuple[str, ColumnSpec, tuple[int, ...], bool], ...]  # name, spec, tail, jagged
 
-    def unpack(self, rows: list[bytes]) -> list[Prepared]:
-        """Packed rows back to one ``Prepared`` block per field (numpy slices: single-threaded
-        small copies, no torch dispatch per row)."""
+    def unpack(self, rows: list[tuple[int, RowPlan, list[bytes], list[int], int]]) -> list[Prepared]:
+        """Buffered rows back to one ``Prepared`` block per field: one join and one view per
+        field (no torch dispatch per row)."""
         k = len(rows)
-        flat = np.frombuffer(bytearray(b"".join(rows)), dtype=np.uint8).reshape(k, self.nbytes)
         out = []
-        for name, spec, shape, start, stop in self.fields:
-            raw = torch.from_numpy(np.ascontiguousarray(flat[:, start:stop]).reshape(-1))
-            block = raw.view(spec.dtype).reshape(k, *shape)
-            if spec.jagged:
-                out.append(Prepared(name, spec, block.reshape(-1, *spec.shape),
-                                    np.full(k, shape[0], dtype=np.int64), False))
+        j = 0
+        for i, (name, spec, tail, jagged) in enumerate(self.fields):
+            data = b"".join([r[2][i] for r in rows])
+            raw = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data
+                   else torch.empty(0, dtype=torch.uint8))
+            if jagged:
+                lengths = np.fromiter((r[3][j] for r in rows), dtype=np.int64, count=k)
+                j += 1
+                out.append(Prepared(name, spec, raw.view(spec.dtype).reshape(-1, *tail), lengths, False))
             else:
-                out.append(Prepared(name, spec, block, None, False))
+                out.append(Prepared(name, spec, raw.view(spec.dtype).reshape(k, *tail), None, False))
         return out
 
 
@@ -83,7 +87,7 @@ class RowBuffer:
         copied here, so the caller may reuse its tensors; reads write buffered rows first.
         """
         try:
-            key = tuple((name, v.dtype, v.shape, v.layout, v.is_cpu, v.requires_grad,
+            key = tuple((name, v.dtype, v.dim(), v.layout, v.is_cpu, v.requires_grad,
                          v.is_contiguous()) for name, v in items if type(v) is torch.Tensor)
         except (AttributeError, RuntimeError, NotImplementedError):
             return False
@@ -97,20 +101,31 @@ class RowBuffer:
             if len(part.plans) > 64:
                 part.plans.clear()
             part.plans[key] = plan
+        # The one copy of the row: each field's bytes (contiguous CPU tensors only), once its
+        # shape is checked against the plan; a row that does not fit takes the full path.
+        chunks: list[bytes] = []
+        lengths: list[int] = []
+        nbytes = 0
+        for (_, _, tail, jagged), (_, v) in zip(plan.fields, items):
+            shape = v.shape
+            if shape[0] != 1 or (shape[2:] if jagged else shape[1:]) != tail:
+                return False
+            if jagged:
+                lengths.append(shape[1])
+            size = v.nbytes
+            chunks.append(_string_at(v.data_ptr(), size))
+            nbytes += size
         if part.num_samples is not None and len(part.slot_of) + 1 > part.num_samples:
             raise CapacityError(
                 f"put_samples: partition {part.partition_id!r} holds {len(part.slot_of)} rows; "
                 f"1 more would pass its num_samples={part.num_samples}"
             )
-        if self._live_bytes + plan.nbytes > self.capacity_bytes:
+        if self._live_bytes + nbytes > self.capacity_bytes:
             raise CapacityError(
-                f"put_samples: {plan.nbytes} bytes for partition {part.partition_id!r} would take "
+                f"put_samples: {nbytes} bytes for partition {part.partition_id!r} would take "
                 f"the store past capacity_bytes={self.capacity_bytes} ({self._live_bytes} held); "
                 "clear consumed rows or raise capacity_bytes"
             )
-        # The one copy of the row: its bytes, field after field (contiguous CPU tensors only).
-        tensors = [items[i][1] for i in plan.order]
-        packed = b"".join([_string_at(t.data_ptr(), t.nbytes) for t in tensors])
         slot = part.free_slots.pop() if part.free_slots else part.next_slot
         if slot == part.next_slot:
             part.next_slot += 1
@@ -121,8 +136,8 @@ class RowBuffer:
         self._admit(part, [sid], [slot], arrival)
         if tag_rows is not None:
             part.tags.setdefault(sid, {}).update(tag_rows[0])
-        part.buffered.append((slot, plan, packed))
-        self._live_bytes += plan.nbytes
+        part.buffered.append((slot, plan, chunks, lengths, nbytes))
+        self._live_bytes += nbytes
         if len(part.buffered) >= self._FLUSH_ROWS:
             self._flush(part)
         self._produced.notify_all()
@@ -137,16 +152,11 @@ class RowBuffer:
                     or not value.is_cpu or value.requires_grad or not value.is_contiguous()
                     or (p.spec.jagged and name in TOKEN_ALIGNED_FIELDS)):
                 return None
-        # Widest elements first, so every field starts aligned for its dtype in the packed row.
-        order = sorted(range(len(items)), key=lambda i: -items[i][1].element_size())
-        fields = []
-        start = 0
-        for i in order:
-            name, value = items[i]
-            stop = start + value.numel() * value.element_size()
-            fields.append((name, prepared[i].spec, tuple(value.shape[1:]), start, stop))
-            start = stop
-        return RowPlan(part.epoch, tuple(fields), start, tuple(order))
+        fields = tuple(
+            (name, p.spec, tuple(value.shape[2:] if p.spec.jagged else value.shape[1:]), p.spec.jagged)
+            for (name, value), p in zip(items, prepared)
+        )
+        return RowPlan(part.epoch, fields)
 
     def _flush(self, part: Any) -> None:
         """Write the partition's buffered rows into its columns, one write per row layout.
@@ -155,16 +165,16 @@ class RowBuffer:
         appears once, so order between layouts cannot matter). An allocation failure leaves
         the rows not yet written buffered (acknowledged, never dropped) and raises.
         """
-        groups: dict[int, list[tuple[int, RowPlan, bytes]]] = {}
+        groups: dict[int, list[tuple[int, RowPlan, list[bytes], list[int], int]]] = {}
         for row in part.buffered:
             groups.setdefault(id(row[1]), []).append(row)
         for run in groups.values():
             plan = run[0][1]
             k = len(run)
             slots = np.fromiter((r[0] for r in run), dtype=np.int64, count=k)
-            prepared = plan.unpack([r[2] for r in run])
+            prepared = plan.unpack(run)
             targets, grew = self._reserve(part, prepared, int(slots.max()) + 1)
-            self._live_bytes += self._write(part, prepared, targets, slots) - k * plan.nbytes
+            self._live_bytes += self._write(part, prepared, targets, slots) - sum(r[4] for r in run)
             written = {id(r) for r in run}
             part.buffered = [r for r in part.buffered if id(r) not in written]
             if grew:

@@ -61,8 +61,9 @@ class Partition:
     # deleted slots until it is rebuilt, and iteration walks them
     pending_dead: dict[str, int] = field(default_factory=dict)
     # One-row puts of a known row layout wait here, packed, until a read (or a full buffer)
-    # writes them into the columns in one batch: (slot, plan, packed bytes of the row).
-    buffered: list[tuple[int, RowPlan, bytes]] = field(default_factory=list)
+    # writes them into the columns in one batch: (slot, plan, each field's bytes, the jagged
+    # fields' lengths, bytes in all).
+    buffered: list[tuple[int, RowPlan, list[bytes], list[int], int]] = field(default_factory=list)
     plans: dict[tuple, RowPlan] = field(default_factory=dict)
     epoch: int = 0  # bumped whenever a column or the schema changes; plans of older epochs lapse
 

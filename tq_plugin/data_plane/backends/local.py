@@ -349,7 +349,7 @@ class LocalDataPlane(WritePath, RowBuffer, TaskCursors):
                         stacklevel=2,
                     )
                 if part is not None:
-                    self._live_bytes -= part.live_bytes + sum(r[1].nbytes for r in part.buffered)
+                    self._live_bytes -= part.live_bytes + sum(r[4] for r in part.buffered)
                     del self._partitions[partition_id]
                 return
             if part is None:
