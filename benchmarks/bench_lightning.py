@@ -85,10 +85,21 @@ def _trainer(callbacks: list[Callback]) -> Trainer:
                    enable_model_summary=False, callbacks=callbacks)
 
 
-def _model() -> DemoPolicy:
+def _model(cls: type[DemoPolicy] = DemoPolicy) -> DemoPolicy:
     torch.manual_seed(0)
-    return DemoPolicy(vocab_size=VOCAB, hidden=HIDDEN, packing="sequence_packing",
-                      layout="packed", train_mb_tokens=MB_TOKENS)
+    return cls(vocab_size=VOCAB, hidden=HIDDEN, packing="sequence_packing",
+               layout="packed", train_mb_tokens=MB_TOKENS)
+
+
+class _DirectPolicy(DemoPolicy):
+    """The same model fed ready tensors, without the data plane: a plain masked token mean per
+    microbatch and one optimizer step per batch (no meta to accumulate over)."""
+
+    dp_accumulate = False
+
+    def dp_token_mean(self, values: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        mask = torch.ones_like(values) if mask is None else mask
+        return (values * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 def _rollouts() -> SyntheticRollouts:
@@ -110,7 +121,7 @@ def _direct_batches(metas: dict[int, KVBatchMeta], client: LocalDataPlane) -> li
 def _fit_direct(batches: list[Any]) -> float:
     clock = _StepClock()
     loader = DataLoader(batches, batch_size=None, collate_fn=lambda b: b)
-    _trainer([clock]).fit(_model(), train_dataloaders=loader)
+    _trainer([clock]).fit(_model(_DirectPolicy), train_dataloaders=loader)
     return clock.per_step()
 
 
