@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import functools
 import mmap
+import threading
+import time
 from itertools import pairwise
 from typing import NamedTuple
 
@@ -49,14 +51,91 @@ class ColumnSpec(NamedTuple):
 _MMAP_MIN_BYTES = 1 << 20
 
 
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+class BufferPool:
+    """Large freed buffers kept a short while for the next allocation that fits them.
+
+    A fresh anonymous map costs a page fault per 4 KiB on first touch (9 ms for 13 MB here,
+    20x the copy itself), so a put that follows a clear (each step's partition) would pay it
+    every time. A freed buffer nobody else references (no read still holds a view of it) waits
+    here, at most ``limit_bytes`` in all and ``ttl_s`` seconds, and is then unmapped: memory
+    still goes back to the OS, a little later. A buffer a read still holds views of waits too,
+    but is handed out only once those views are gone, so no reader ever sees its bytes change.
+    ``LocalDataPlane.trim()`` empties the pool at once.
+    """
+
+    def __init__(self, limit_bytes: int = 256 << 20, ttl_s: float = 2.0) -> None:
+        self.limit_bytes = limit_bytes
+        self.ttl_s = ttl_s
+        self._lock = threading.Lock()
+        self._entries: list[tuple[int, float, torch.Tensor]] = []  # size, freed at, flat uint8
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(size for size, _, _ in self._entries)
+
+    def _expire(self, now: float) -> None:
+        self._entries = [e for e in self._entries if now - e[1] < self.ttl_s]
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        """A flat uint8 buffer of at least ``nbytes`` (and at most twice that) that no read
+        still holds a view of, or None."""
+        with self._lock:
+            self._expire(time.monotonic())
+            fits = [
+                i for i, (size, _, flat) in enumerate(self._entries)
+                if nbytes <= size <= 2 * nbytes and self._unshared(flat)
+            ]
+            if not fits:
+                return None
+            best = min(fits, key=lambda i: self._entries[i][0])
+            return self._entries.pop(best)[2]
+
+    @staticmethod
+    def _unshared(flat: torch.Tensor) -> bool:
+        # Users of the storage: the pool's own tensor, plus this query's handle. Anything more
+        # is a tensor someone else holds (a read's view).
+        return _use_count(flat.untyped_storage()._cdata) <= 2
+
+    def give(self, t: torch.Tensor) -> None:
+        """Keep ``t``'s storage (a large map) for reuse once no read holds a view of it."""
+        if _use_count is None or t.device.type != "cpu":
+            return
+        storage = t.untyped_storage()
+        size = storage.nbytes()
+        if size < _MMAP_MIN_BYTES or size > self.limit_bytes:
+            return
+        flat = torch.empty(0, dtype=torch.uint8).set_(storage)
+        with self._lock:
+            now = time.monotonic()
+            self._expire(now)
+            self._entries.append((size, now, flat))
+            while sum(e[0] for e in self._entries) > self.limit_bytes:
+                self._entries.pop(0)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+POOL = BufferPool()
+
+
 def alloc(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized CPU tensor; large ones are backed by their own anonymous mmap."""
+    """An uninitialized CPU tensor; large ones are backed by their own anonymous mmap (or by a
+    recently freed one from ``POOL``)."""
     numel = 1
     for d in shape:
         numel *= d
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if nbytes < _MMAP_MIN_BYTES:
         return torch.empty(shape, dtype=dtype)
+    reused = POOL.take(nbytes)
+    if reused is not None:
+        return reused[:nbytes].view(dtype).view(shape)
     # torch.frombuffer keeps the map alive exactly as long as a tensor uses it.
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
 
@@ -196,7 +275,9 @@ class DenseColumn(_Presence):
             return False
         data = _grown(self.data, need_slots)
         present = _grow_array(self.present, data.shape[0])
+        old, self._np = self.data, None
         self.data, self._np, self.present = data, _numpy_view(data), present
+        POOL.give(old)
         return True
 
     def write(self, slots: np.ndarray, block: torch.Tensor) -> int:
@@ -235,9 +316,11 @@ class DenseColumn(_Presence):
     def release(self) -> None:
         """Forget every row and free the block."""
         self.live_rows = 0
+        old, self._np = self.data, None
         self.data = _empty(self.spec)
         self._np = _numpy_view(self.data)
         self.present = np.zeros(0, dtype=bool)
+        POOL.give(old)
 
     def to_jagged(self) -> JaggedColumn:
         """The same rows as a jagged column (row ``[L, *t]`` becomes L elements of shape t)."""
@@ -307,8 +390,9 @@ class JaggedColumn(_Presence):
 
     def _adopt(self, values: torch.Tensor) -> None:
         self._note_foreign_writes()
-        self.values = values
+        old, self.values = self.values, values
         self._version = values._version
+        POOL.give(old)
 
     def reserve(self, need_slots: int, extra_values: int) -> bool:
         """Room for slots ``< need_slots`` and ``extra_values`` more elements; content-preserving.

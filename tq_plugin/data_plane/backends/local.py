@@ -20,6 +20,7 @@ from tensordict import TensorDict
 
 from tq_plugin.data_plane.backends._buffer import RowBuffer
 from tq_plugin.data_plane.backends._claims import TaskCursors
+from tq_plugin.data_plane.backends._columns import POOL
 from tq_plugin.data_plane.backends._partition import (
     DEFAULT_CAPACITY_FRACTION,
     PUT_MODES,
@@ -405,7 +406,14 @@ class LocalDataPlane(WritePath, RowBuffer, TaskCursors):
                 "bytes_held": sum(c.reserved_bytes for c in cols),
                 "peak_bytes_held": self._peak_bytes,
                 "capacity_bytes": self.capacity_bytes,
+                # freed large buffers kept a few seconds for reuse (process-wide; see trim())
+                "bytes_cached": POOL.nbytes,
             }
+
+    def trim(self) -> None:
+        """Unmap the large buffers freed recently and kept for reuse (they go within
+        ``POOL.ttl_s`` seconds of the next store call anyway)."""
+        POOL.clear()
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str, *, metadata: Mapping[str, Any] | None = None) -> None:
