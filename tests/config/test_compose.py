@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
@@ -257,6 +258,28 @@ def test_groups_compose_in_an_app_without_a_config_dir():
     assert cfg.tq.packing.train_mb_tokens == 2048
     assert cfg.tq.staging.capture_media is True
     assert OmegaConf.get_type(cfg.tq.packing) is PackingConfig
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("option", "fixture"), [("ray", "ray_session"), ("transferqueue", "tq_session")])
+def test_distributed_backends_compose_and_instantiate_in_an_unrelated_app(option, fixture, request):
+    """An app with no config of its own selects tq/backend=ray|transferqueue and gets a working
+    client attached to the running (loopback) cluster."""
+    request.getfixturevalue(fixture)
+    GlobalHydra.instance().clear()
+    with initialize(config_path=None, version_base="1.3"):
+        cfg = compose(overrides=[f"+tq/backend={option}", f"tq.backend.store=unrelated-{option}"])
+    GlobalHydra.instance().clear()
+    validate_config(cfg)
+    client = instantiate(cfg.tq.backend)
+    try:
+        assert client.shared
+        client.register_partition("p", fields=[])
+        client.put_samples(["a"], "p", {"x": torch.tensor([1.5])})
+        assert client.get_samples(["a"], "p", ["x"])["x"].tolist() == [1.5]
+    finally:
+        client.close()
 
 
 def test_other_apps_see_only_the_tq_groups():
