@@ -24,8 +24,10 @@ import torch
 from benchmarks._common import median_seconds, table
 from tq_plugin.data_plane.column_io import round_up, stamp_global_forward_pad_seqlen
 from tq_plugin.data_plane.meta import KVBatchMeta
-from tq_plugin.data_plane.packing import (
+from tq_plugin.data_plane.microbatches import (
     padded_token_fraction,
+)
+from tq_plugin.data_plane.packing import (
     plan_dynamic_batches,
     plan_sequence_packing,
 )

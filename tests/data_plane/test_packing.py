@@ -8,16 +8,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tq_plugin.data_plane.column_io import round_up
-from tq_plugin.data_plane.packing import (
-    as_lengths,
+from tq_plugin.data_plane.microbatches import (
     balanced_equal_count,
     micro_batch_lengths,
     pack_into_count,
     padded_token_fraction,
-    plan_dynamic_batches,
     plan_microbatches,
-    plan_sequence_packing,
     split_to_count,
+)
+from tq_plugin.data_plane.packing import (
+    plan_dynamic_batches,
+    plan_sequence_packing,
+)
+from tq_plugin.data_plane.packing_args import (
+    as_lengths,
     validate_dynamic_batching_args,
     validate_sequence_packing_args,
 )

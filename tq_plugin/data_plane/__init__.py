@@ -25,11 +25,13 @@ from tq_plugin.data_plane.column_io import (
     write_columns,
 )
 from tq_plugin.data_plane.meta import KVBatchMeta
-from tq_plugin.data_plane.packing import (
+from tq_plugin.data_plane.microbatches import (
     micro_batch_lengths,
     padded_token_fraction,
-    plan_dynamic_batches,
     plan_microbatches,
+)
+from tq_plugin.data_plane.packing import (
+    plan_dynamic_batches,
     plan_sequence_packing,
 )
 from tq_plugin.data_plane.schema import (

@@ -24,7 +24,7 @@ Within a global batch:
   longest first to the least-loaded rank in tokens that still has room); a rank keeps its rows
   in their original relative order.
 * **Sequence packing / dynamic batching**: rows are planned into microbatches over the whole
-  global batch (:func:`tq_plugin.data_plane.packing.plan_microbatches`), their count is raised
+  global batch (:func:`tq_plugin.data_plane.microbatches.plan_microbatches`), their count is raised
   to a multiple of ``dp_world`` (packed rows are re-packed into that many token-balanced bins
   when they fit the budget; otherwise the costliest microbatches are split), and the
   microbatches are dealt so every rank gets the same number, balancing tokens (costliest first
@@ -53,10 +53,12 @@ from typing import Any
 import torch
 
 from tq_plugin.data_plane.meta import KVBatchMeta
-from tq_plugin.data_plane.packing import (
-    as_lengths,
+from tq_plugin.data_plane.microbatches import (
     balanced_equal_count,
     plan_microbatches,
+)
+from tq_plugin.data_plane.packing_args import (
+    as_lengths,
     validate_dynamic_batching_args,
     validate_sequence_packing_args,
 )
