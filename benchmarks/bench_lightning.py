@@ -27,7 +27,8 @@ from torch.utils.data import DataLoader
 
 from benchmarks._common import table
 from tq_plugin.data_plane import INPUT_IDS, INPUT_LENGTHS, KVBatchMeta, LocalDataPlane
-from tq_plugin.data_plane.column_io import first_write, nested_from_lengths
+from tq_plugin.data_plane.column_io import first_write
+from tq_plugin.data_plane.jagged import nested_from_lengths
 from tq_plugin.lightning import DataPlaneCallback, MetaDataModule, plan_step
 from tq_plugin.lightning.demo import POLICY_FIELDS, DemoPolicy, SyntheticRollouts, partition_spec
 

@@ -15,14 +15,15 @@ from tq_plugin.data_plane.client import (
 )
 from tq_plugin.data_plane.column_io import (
     first_write,
-    jaggedize,
-    materialize,
-    nested_from_lengths,
-    payload_bytes,
     read_columns,
-    round_up,
     stamp_global_forward_pad_seqlen,
     write_columns,
+)
+from tq_plugin.data_plane.jagged import (
+    jaggedize,
+    nested_from_lengths,
+    payload_bytes,
+    round_up,
 )
 from tq_plugin.data_plane.meta import KVBatchMeta
 from tq_plugin.data_plane.microbatches import (
@@ -34,6 +35,7 @@ from tq_plugin.data_plane.packing import (
     plan_dynamic_batches,
     plan_sequence_packing,
 )
+from tq_plugin.data_plane.padding import materialize
 from tq_plugin.data_plane.schema import (
     ADVANTAGES,
     DP_TRAIN_FIELDS,

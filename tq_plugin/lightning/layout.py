@@ -19,7 +19,8 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from tq_plugin.config.schema import LAYOUTS
-from tq_plugin.data_plane.column_io import jaggedize, materialize, nested_from_lengths
+from tq_plugin.data_plane.jagged import jaggedize, nested_from_lengths
+from tq_plugin.data_plane.padding import materialize
 from tq_plugin.data_plane.schema import TOKEN_ALIGNED_FIELDS
 
 __all__ = ["CU_SEQLENS", "LAYOUTS", "PACKED_LAYOUT_FIELDS", "POSITION_IDS", "SEGMENT_IDS",

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from tq_plugin.data_plane.client import CLIENT_METHODS, bind_keywords, call_dp
-from tq_plugin.data_plane.column_io import payload_bytes
+from tq_plugin.data_plane.jagged import payload_bytes
 
 
 @dataclass

@@ -48,7 +48,7 @@ from safetensors.torch import save as _st_save
 
 from tq_plugin.data_plane.backends._columns import gather_rows
 from tq_plugin.data_plane.client import call_dp
-from tq_plugin.data_plane.column_io import nested_from_lengths
+from tq_plugin.data_plane.jagged import nested_from_lengths
 
 if TYPE_CHECKING:
     from tq_plugin.data_plane.backends.local import LocalDataPlane

@@ -17,7 +17,8 @@ from tensordict import TensorDict
 from torch import nn
 
 from tq_plugin.config.schema import PACKING_MODES, PackingConfig
-from tq_plugin.data_plane.column_io import first_write, nested_from_lengths
+from tq_plugin.data_plane.column_io import first_write
+from tq_plugin.data_plane.jagged import nested_from_lengths
 from tq_plugin.data_plane.meta import KVBatchMeta
 from tq_plugin.data_plane.schema import (
     ADVANTAGES,
