@@ -346,7 +346,7 @@ def test_list_reader_and_struct_fallback_hash_alike(n: int, monkeypatch: pytest.
     """Ids on both sides of 2**31 (the one-pass reader's range), shared float objects,
     -0.0 and float32 rounding hash the same through the one-pass reader and through the
     struct path it falls back to (forced here by disabling the reader)."""
-    from tq_plugin.staging import digest as digest_module
+    from tq_plugin.staging import encoding as digest_module  # the list reader lives there
 
     rng = np.random.default_rng(n)
     one = 1.0

@@ -23,9 +23,9 @@ from tq_plugin.staging.digest import (
     compute_chain_hash,
     compute_extras_digest,
     compute_staging_digest,
-    encode_token_ids,
     hash_token_ids,
 )
+from tq_plugin.staging.encoding import encode_token_ids
 from tq_plugin.staging.factory import build_token_sink
 from tq_plugin.staging.media import (
     MEDIA_FLAG_FIELDS,
