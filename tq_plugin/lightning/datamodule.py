@@ -5,7 +5,7 @@ the step source, the loader carries only metas (they pickle in microseconds), an
 module reads its microbatch's columns in ``on_before_batch_transfer`` (``MetaBatchMixin``).
 
 For each RL step: the source produces the step's rows and returns the step meta; the consuming
-model narrows it and mints the pad target through its own ``_isolated_meta`` (so a Policy and a
+model narrows it and mints the pad target through its own ``isolated_meta`` (so a Policy and a
 Value model never share a target); ``shard_meta_for_dp`` gives this rank its rows; the packing
 plan cuts them into microbatches (``plan.plan_step``). ``epochs_per_step`` > 1 replays the step
 (PPO epochs), re-planning each pass from the untouched step meta.
