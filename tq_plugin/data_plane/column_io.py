@@ -267,16 +267,19 @@ def write_columns(
             "write_columns", "meta.sequence_lengths", meta.sequence_lengths, meta.size
         )
     )
-    per_token = [name for name in fields.keys() if name in TOKEN_ALIGNED_FIELDS]  # noqa: SIM118
-    columns = to_wire_columns(fields, claimed) if claimed is not None else None
+    per_token = [fields[n] for n in fields.keys() if n in TOKEN_ALIGNED_FIELDS]  # noqa: SIM118
     # A store that checks jagged per-token rows against its own input_lengths inside the put
-    # (atomic, no extra read) says so; otherwise, or when a per-token name arrives as a dense
-    # per-row column (which that check does not cover), the stored lengths are read and compared.
-    store_checks = getattr(client, "checks_token_alignment", False) and columns is not None
-    if per_token and not (store_checks and all(columns[n].is_nested for n in per_token)):  # type: ignore[index]
-        columns = to_wire_columns(fields, _stored_lengths(client, meta, claimed))
-    elif columns is None:
-        columns = to_wire_columns(fields, None)
+    # (atomic, no extra read) says so. Otherwise, without the meta's lengths, or when a per-token
+    # name arrives as a dense per-row column (which that check does not cover), the stored
+    # lengths are read and compared first. Per-token columns travel jagged when they come
+    # nested or padded (dim >= 2), so this is known before any column is built.
+    store_checks = claimed is not None and getattr(client, "checks_token_alignment", False)
+    jagged_on_wire = all(isinstance(v, torch.Tensor) and (v.is_nested or v.dim() >= 2)
+                         for v in per_token)
+    lengths = claimed
+    if per_token and not (store_checks and jagged_on_wire):
+        lengths = _stored_lengths(client, meta, claimed)
+    columns = to_wire_columns(fields, lengths)
     put = {"sample_ids": list(meta.sample_ids), "partition_id": meta.partition_id,
            "fields": as_batch(columns, meta.size)}
     put_with_mode(client, put, "update")
