@@ -435,3 +435,20 @@ def test_rows_whose_jagged_lengths_vary_are_buffered_and_read_back_exactly():
                                "m": torch.ones(1, 2)})
     got = d.get_samples(["r0", "w"], "v", ["m"])["m"]
     assert got.is_nested and [len(r) for r in got.unbind()] == [3, 2]
+
+
+def test_freed_large_buffers_are_reused_only_once_no_read_holds_them_and_close_returns_them():
+    from tq_plugin.data_plane.backends._columns import POOL
+
+    d = LocalDataPlane()
+    d.register_partition("m", [])
+    ids = [f"r{i}" for i in range(64)]
+    values = torch.arange(64 * 8192, dtype=torch.float32)
+    d.put_samples(ids, "m", {"x": nested_from_lengths(values, torch.full((64,), 8192))})  # 2 MiB
+    view = d.get_samples(ids, "m", ["x"])["x"].values()  # a view of the store's buffer
+    d.clear_samples(ids, "m")
+    assert d.stats()["bytes_cached"] >= values.nbytes
+    d.put_samples(ids, "m", {"x": nested_from_lengths(torch.zeros_like(values), torch.full((64,), 8192))})
+    assert torch.equal(view, values)  # the held buffer was not handed out again
+    d.close()
+    assert POOL.nbytes == 0

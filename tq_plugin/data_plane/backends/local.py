@@ -106,6 +106,7 @@ class LocalDataPlane(WritePath, RowBuffer, TaskCursors):
             self._live_bytes = 0
             self._closed = True
             self._produced.notify_all()  # blocked claims wake up and raise
+        POOL.clear()  # nothing waits for a later store call to hand freed maps back
 
     @property
     def closed(self) -> bool:
