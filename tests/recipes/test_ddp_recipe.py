@@ -5,6 +5,7 @@ The subprocess runs (slow tier) are few: each pays seconds of imports per proces
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import logging
@@ -15,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import ClassVar
 
 import pytest
 import torch
@@ -88,16 +90,75 @@ def test_trainer_keys_are_config_keys():
     [
         # 4 prompts x 4 samples = 16 rows do not split over 3 ranks.
         (["trainer=ddp_cpu", "trainer.devices=3"], "must divide evenly over 3 DDP ranks"),
-        # Without an address each rank would start its own Ray: no store all ranks share.
-        (["trainer=ddp_cpu", "tq/backend=ray"], "tq.backend.address="),
+        (["trainer=ddp_cpu", "tq/backend=ray", "trainer.devices=3"],
+         "must divide evenly over 3 DDP ranks"),  # refused before Ray starts
     ],
-    ids=["uneven-global-batch", "ray-without-a-cluster-address"],
+    ids=["uneven-global-batch", "uneven-global-batch-on-ray"],
 )
 def test_a_run_the_recipe_cannot_honour_fails_at_start(tmp_path, overrides, message):
     recipe = RLRecipe(compose_ppo(*overrides), tmp_path / "out")
     with pytest.raises(ValueError, match=message):
         recipe.setup()
     assert not (tmp_path / "out").exists()  # nothing written, no process or store started
+
+
+class _SharedBackend:
+    """A shared backend class whose ``start_cluster`` records what it was asked."""
+
+    shared = True
+    started: ClassVar[list[dict]] = []
+
+    @classmethod
+    def start_cluster(cls, **options):
+        cls.started.append(options)
+        return "127.0.0.2:6390"
+
+
+def _backend_node(**options):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create({"_target_": "fake.SharedBackend", "store": "s", **options})
+
+
+@pytest.fixture
+def shared_backend(monkeypatch):
+    _SharedBackend.started = []
+    monkeypatch.setattr(ranks, "get_class", lambda path: _SharedBackend if path ==
+                        "fake.SharedBackend" else LocalDataPlane)
+    monkeypatch.delenv(ranks.CLUSTER_ADDRESS_ENV, raising=False)
+    return _SharedBackend
+
+
+def test_the_launching_process_starts_the_ranks_cluster_and_exports_it_for_the_fit(shared_backend):
+    node = _backend_node(address=None, ray_init={"num_cpus": 2})
+    started = ranks.share_store_across_ranks(node)
+    assert started == node.address == "127.0.0.2:6390"
+    assert shared_backend.started == [{"store": "s", "address": None, "ray_init": {"num_cpus": 2}}]
+    with ranks.exported_address(started):
+        assert os.environ[ranks.CLUSTER_ADDRESS_ENV] == started
+        # A rank Lightning launches finds it there and attaches; it starts nothing.
+        rank_node = _backend_node(address=None)
+        assert ranks.share_store_across_ranks(rank_node) is None
+        assert rank_node.address == started and len(shared_backend.started) == 1
+    assert ranks.CLUSTER_ADDRESS_ENV not in os.environ  # only for the fit
+
+
+def test_a_named_cluster_or_an_embedded_store_is_left_as_configured(shared_backend):
+    named = _backend_node(address="127.0.0.2:7000")
+    assert ranks.share_store_across_ranks(named) is None and named.address == "127.0.0.2:7000"
+    from omegaconf import OmegaConf
+
+    local = OmegaConf.create({"_target_": "tq_plugin.data_plane.LocalDataPlane"})
+    assert ranks.share_store_across_ranks(local) is None and "address" not in local
+    assert shared_backend.started == []
+
+
+def test_rank_zero_fails_when_a_launched_rank_failed():
+    ok = subprocess.Popen([sys.executable, "-c", "pass"])
+    bad = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    trainer = SimpleNamespace(strategy=SimpleNamespace(launcher=SimpleNamespace(procs=[ok, bad])))
+    with pytest.raises(RuntimeError, match=r"DDP rank 2 \(pid \d+\) exited with status 3"):
+        ranks.wait_for_launched_ranks(trainer, timeout_s=60)
 
 
 class _Strategy(SimpleNamespace):
@@ -177,15 +238,47 @@ def assert_one_process_update(proc: subprocess.CompletedProcess, out: Path,
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("backend", "session"), [("ray", "ray_session"),
-                                                  ("transferqueue", "tq_session")])
-def test_two_ranks_share_one_store(tmp_path, one_process, request, backend, session):
-    """A shared backend attached to one cluster: rank 0 generates each step once into the
-    store, every rank trains on its shard, and the update is the one-process update."""
-    address = request.getfixturevalue(session).get_runtime_context().gcs_address
+@pytest.mark.parametrize("backend", ["ray", "transferqueue"])
+def test_two_ranks_share_the_store_rank_zero_starts(tmp_path, one_process, backend):
+    """The done-when command, ``tq-train trainer=ddp_cpu tq/backend=<shared>`` with no cluster:
+    rank 0's process starts Ray (and TransferQueue) before the ranks exist, rank 1 attaches to
+    it, rank 0 generates each step once into the store, every rank trains on its shard, the
+    update is the one-process update, and no Ray process outlives the run."""
+    import psutil  # a Ray dependency
+
+    cmd = subprocess_cmd(tmp_path, "trainer=ddp_cpu", "recipe.num_steps=2", f"tq/backend={backend}",
+                         "++tq.backend.ray_init.log_to_driver=false")
+    run = psutil.Popen(cmd, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True)
+    started: dict[int, psutil.Process] = {}  # every process the run started (ranks, Ray's)
+    try:
+        deadline = time.monotonic() + 280
+        while run.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(psutil.Error):
+                started.update({c.pid: c for c in run.children(recursive=True)})
+            time.sleep(0.25)
+        out, err = run.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    proc = subprocess.CompletedProcess(cmd, run.returncode, out, err)
+    assert_one_process_update(proc, tmp_path, one_process)
+    assert len(started) > 2, "no Ray process was started for the run"
+    _, left = psutil.wait_procs(list(started.values()), timeout=30)
+    for p in left:  # only what this run started
+        p.kill()
+    assert not left, [" ".join(p.cmdline())[:120] for p in left]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_ranks_attach_to_a_named_cluster(tmp_path, one_process, ray_session):
+    """``tq.backend.address`` names a running cluster: every rank attaches to it."""
+    address = ray_session.get_runtime_context().gcs_address
     proc = subprocess.run(
-        subprocess_cmd(tmp_path, "trainer=ddp_cpu", "recipe.num_steps=2", f"tq/backend={backend}",
-                       f"tq.backend.address={address}", f"tq.backend.store=ddp_recipe_{backend}",
+        subprocess_cmd(tmp_path, "trainer=ddp_cpu", "recipe.num_steps=2", "tq/backend=ray",
+                       f"tq.backend.address={address}", "tq.backend.store=ddp_recipe_named",
                        # Ray refuses num_cpus when attaching to a running cluster.
                        "tq.backend.ray_init.num_cpus=null", "++tq.backend.ray_init.log_to_driver=false"),
         cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=280, check=False)

@@ -2,11 +2,15 @@
 
 One RL step under DDP trains on the same global batch as one process would:
 
-* **shared store** (a backend class with ``shared = True``, e.g. ``tq/backend=ray``, whose config
-  names the cluster every rank attaches to: ``tq.backend.address``): rank 0 generates
-  the step once and writes it; the step meta is broadcast and each rank reads a length-balanced
-  shard (``MetaDataModule(rows="shared")``). Without an address each rank would start its own
-  cluster, so that run is refused.
+* **shared store** (a backend class with ``shared = True``: ``tq/backend=ray`` or
+  ``tq/backend=transferqueue``): every rank attaches to one store; rank 0 generates the step
+  once and writes it; the step meta is broadcast and each rank reads a length-balanced shard
+  (``MetaDataModule(rows="shared")``). Which cluster: the one ``tq.backend.address`` names, or,
+  without an address, the one the launching process starts before the ranks exist
+  (:func:`share_store_across_ranks`: the backend's ``start_cluster``) and hands to the ranks in
+  ``TQ_PLUGIN_CLUSTER_ADDRESS`` (``ddp``: Lightning re-runs the command for ranks 1..N with the
+  launching process's environment) or in the pickled config (``ddp_spawn``). That process hosts
+  the cluster, so it outlives its ranks (:func:`wait_for_launched_ranks`).
 * **embedded store** (``tq/backend=local``, one private store per rank): every rank replays the
   step: same seed, same weights (DDP keeps them identical), hence the same rollouts, rows, values
   and advantages. :func:`replica_shard` checks that the replicas agree (a mismatch raises instead
@@ -20,11 +24,16 @@ Either way DDP averages gradients over ranks, so a rank divides its loss by
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import subprocess
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from hydra.utils import get_class
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from tq_plugin.data_plane import KVBatchMeta, call_dp
 from tq_plugin.data_plane.sharding import shard_meta_for_dp
@@ -35,6 +44,8 @@ from tq_plugin.rl.metrics import rl_metrics
 # too often.
 SCALED_BY_WORLD = ("loss", "value_loss")
 PARALLEL_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
+# The cluster address the launching process hands to the DDP ranks Lightning starts.
+CLUSTER_ADDRESS_ENV = "TQ_PLUGIN_CLUSTER_ADDRESS"
 
 
 def check_parallel_run(trainer: Any, *, backend: Any, global_batch: int,
@@ -62,25 +73,88 @@ def check_parallel_run(trainer: Any, *, backend: Any, global_batch: int,
     from tq_plugin.data_plane import LocalDataPlane
 
     backend_cls = get_class(backend._target_)
-    if not (issubclass(backend_cls, LocalDataPlane) or rank_shared_store(backend)):
+    if not (issubclass(backend_cls, LocalDataPlane) or rank_shared_store(backend)
+            or (shares_rows(backend_cls) and hasattr(backend_cls, "start_cluster"))):
         raise ValueError(
             f"tq.backend={backend_cls.__name__} with {world} DDP ranks: every rank must attach to "
-            "one store, but the config names no cluster (each rank would start its own). Attach them "
-            "to a running cluster (tq.backend.address=<host:port> tq.backend.ray_init.num_cpus="
-            "null), use tq/backend=local, or run one process")
+            "one store, but the config names no cluster and the backend cannot start one for the "
+            "ranks (no start_cluster). Attach them to a running cluster (tq.backend.address="
+            "<host:port>), use tq/backend=local, ray or transferqueue, or run one process")
     if not save_artifacts and strategy == "DDPStrategy" and trainer.strategy.launcher is not None \
             and type(trainer.strategy.launcher).__name__ == "_MultiProcessingLauncher":
         raise ValueError("recipe.save_artifacts=false with trainer.strategy=ddp_spawn: the "
                          "run's summary only reaches the launching process through result.json")
 
 
+def shares_rows(backend_cls: type) -> bool:
+    """Whether a backend class states, as a class attribute, that other processes reach its
+    rows (``LocalDataPlane.shared`` is a property that says False)."""
+    return getattr(backend_cls, "shared", False) is True
+
+
 def rank_shared_store(backend: Any) -> bool:
     """Whether every DDP rank that builds ``backend`` (the ``tq.backend`` node) reaches one store:
     the class shares its rows across processes and the config names the cluster to attach to."""
-    if not getattr(get_class(backend._target_), "shared", False):
+    if not shares_rows(get_class(backend._target_)):
         return False
     address = backend.get("address") or (backend.get("ray_init") or {}).get("address")
     return address not in (None, "", "local")
+
+
+def share_store_across_ranks(backend: DictConfig) -> str | None:
+    """Point ``backend`` (the ``tq.backend`` node, edited in place) at the one cluster every DDP
+    rank attaches to; the address when this process started that cluster, else ``None``.
+
+    A backend that is not shared, or whose config names a cluster already, is left as it is. A
+    rank Lightning launched finds the address in ``CLUSTER_ADDRESS_ENV``; the launching process
+    starts the cluster (``start_cluster`` of the backend class, with the node's options) and
+    returns its address, which :func:`exported_address` hands to the ranks for the fit.
+    """
+    cls = get_class(backend._target_)
+    if not shares_rows(cls) or rank_shared_store(backend):
+        return None
+    address = os.environ.get(CLUSTER_ADDRESS_ENV)
+    started = None
+    if not address:
+        options = OmegaConf.to_container(backend, resolve=True)
+        options.pop("_target_", None)
+        address = started = cls.start_cluster(**options)
+    with open_dict(backend):
+        backend.address = address
+    return started
+
+
+@contextlib.contextmanager
+def exported_address(address: str | None) -> Iterator[None]:
+    """``CLUSTER_ADDRESS_ENV=address`` in this process's environment while the block runs (the
+    fit, when Lightning launches the ranks), and as it was afterwards."""
+    if address is None:
+        yield
+        return
+    before = os.environ.get(CLUSTER_ADDRESS_ENV)
+    os.environ[CLUSTER_ADDRESS_ENV] = address
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(CLUSTER_ADDRESS_ENV, None)
+        else:
+            os.environ[CLUSTER_ADDRESS_ENV] = before
+
+
+def wait_for_launched_ranks(trainer: Any, timeout_s: float = 120.0) -> None:
+    """Wait for the rank processes this process's trainer launched (``ddp``: Lightning re-runs
+    the command for ranks 1..N) to exit, so a cluster this process hosts outlives every rank
+    attached to it. A rank still running after ``timeout_s`` raises ``TimeoutError``."""
+    procs: list[subprocess.Popen] = list(getattr(trainer.strategy.launcher, "procs", None) or [])
+    for rank, proc in enumerate(procs, start=1):
+        try:
+            code = proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"DDP rank {rank} (pid {proc.pid}) still runs {timeout_s:g} s "
+                               "after rank 0 finished") from None
+        if code != 0:
+            raise RuntimeError(f"DDP rank {rank} (pid {proc.pid}) exited with status {code}")
 
 
 def replica_shard(meta: KVBatchMeta, client: Any, *, strategy: Any, global_batch: int) -> KVBatchMeta:

@@ -54,6 +54,7 @@ from tq_plugin.data_plane import (
     TOTAL_REWARD,
     VALUES,
     KVBatchMeta,
+    LocalDataPlane,
 )
 from tq_plugin.lightning import MICROBATCH_INFO, DataPlaneCallback, MetaDataModule
 from tq_plugin.lightning.instantiators import instantiate_callbacks, instantiate_loggers
@@ -156,8 +157,8 @@ class RLRecipe:
                                media=self.media)
 
     def _setup_trainer(self) -> None:
-        self.callback = DataPlaneCallback(  # disaggregated: the step rows in the trainer's own store
-            None if getattr(self, "disaggregated", None) else self.cfg.tq.backend, role="policy",
+        self.callback = DataPlaneCallback(  # the store is chosen once the world size is known
+            self._train_store, role="policy",
             partitions=[{"partition_id": self.rc.train_partition, "fields": []}],
         )
         self.step_callback = RLStepCallback(self)
@@ -176,6 +177,10 @@ class RLRecipe:
                                  global_batch=self.global_batch,
                                  save_artifacts=self.rc.save_artifacts)
         self.world_size = self.trainer.world_size
+        # Every rank attaches to one store: started here, before the ranks exist, when the
+        # config names no cluster (see tq_plugin.rl.ranks).
+        self.cluster_address = (ranks.share_store_across_ranks(self.cfg.tq.backend)
+                                if self.world_size > 1 else None)
         shared = ranks.rank_shared_store(self.cfg.tq.backend)
         if self.world_size > 1:
             rank_zero_info(
@@ -192,6 +197,15 @@ class RLRecipe:
             rows="shared" if shared else "local",
         )
         self.replicated = not shared and self.world_size > 1
+
+    def _train_store(self) -> Any:
+        """The store the steps' training rows live in: the ``DataPlaneCallback``'s client, which
+        it builds in its ``setup`` on every rank. ``tq.backend``, except for one disaggregated
+        trainer process: its rows stay in an embedded store of its own (one hop from the
+        workers' shared store). A bound method, so it pickles for ``ddp_spawn``."""
+        if self.disaggregated is not None and self.world_size == 1:
+            return LocalDataPlane()
+        return instantiate(self.cfg.tq.backend)
 
     def _loggers(self) -> list[Any] | bool:
         """The ``logger`` group's loggers (``False``: none)."""
@@ -282,10 +296,13 @@ class RLRecipe:
         """
         ckpt_path = self.cfg.get("ckpt_path")
         try:
-            self.trainer.fit(self.module, datamodule=self.datamodule, ckpt_path=ckpt_path)
+            with ranks.exported_address(self.cluster_address):  # the ranks Lightning launches
+                self.trainer.fit(self.module, datamodule=self.datamodule, ckpt_path=ckpt_path)
         except SIGTERMException:
             log.error("SIGTERM: resume with ckpt_path=%s", self.sigterm_checkpoint)
             raise SystemExit(SIGTERM_EXIT) from None
+        if self.cluster_address is not None:  # this process hosts the ranks' cluster
+            ranks.wait_for_launched_ranks(self.trainer)
 
     def cleanup(self) -> dict[str, Any] | None:
         """The run's summary where rank 0's results are (rank 0, or the process that spawned

@@ -484,6 +484,16 @@ class RayDataPlane:
                                    timeout=self.op_timeout_s))
         self._closed = False
 
+    @classmethod
+    def start_cluster(cls, *, address: str | None = None, namespace: str = DEFAULT_NAMESPACE,
+                      ray_init: Mapping[str, Any] | None = None, **_store_options: Any) -> str:
+        """Start Ray as a client built from these options would (or attach where ``address``
+        names a cluster) and return the GCS address other processes attach with
+        (``address=...``): how the DDP ranks of one run reach one store. The store options
+        (``store``, ``actor_name``, ...) are accepted and not needed here."""
+        start_ray_on_loopback(address, namespace, ray_init)
+        return str(_ray().get_runtime_context().gcs_address)
+
     def _call(self, method: str, *, extra_s: float = 0.0, **kwargs: Any) -> Any:
         """Run ``method`` in the store actor; ``GetTimeoutError`` (a ``TimeoutError``) after
         ``op_timeout_s`` (+ ``extra_s``, a blocking claim's own wait)."""
@@ -495,6 +505,13 @@ class RayDataPlane:
     @property
     def is_owner(self) -> bool:
         return self._owner
+
+    def worker_launcher(self, **options: Any) -> Any:
+        """Workers sharing this store run as Ray actors of this driver, in the store's
+        namespace (``tq_plugin.data_plane.processes.launcher_for``)."""
+        from tq_plugin.data_plane.backends.ray_workers import RayActorLauncher
+
+        return RayActorLauncher(**{"namespace": self.namespace, **options})
 
     def register_partition(
         self,

@@ -232,6 +232,21 @@ class TransferQueueDataPlane:
         self._closed = False
         self._lock = threading.RLock()  # one schema read-modify-write at a time per client
 
+    @classmethod
+    def start_cluster(cls, *, num_storage_units: int = 1, init_timeout_s: float = 60.0,
+                      address: str | None = None, ray_init: Mapping[str, Any] | None = None,
+                      allow_non_loopback: bool = False, **_store_options: Any) -> str:
+        """Start Ray and TransferQueue as a client built from these options would (or attach
+        to the running ones) and return the GCS address other processes attach with
+        (``address=...``): how the DDP ranks of one run reach one TransferQueue. Starting it
+        here, before any rank exists, means no two ranks race to start it."""
+        import ray
+
+        ensure_transfer_queue(num_storage_units=num_storage_units, init_timeout_s=init_timeout_s,
+                              address=address, ray_init=ray_init,
+                              allow_non_loopback=allow_non_loopback)
+        return str(ray.get_runtime_context().gcs_address)
+
     # ------------------------------------------------------------------ plumbing
     def _connect(self) -> Any:
         # An unpickled client attaches on first use, not while Ray deserializes a task's
@@ -578,6 +593,13 @@ class TransferQueueDataPlane:
     @property
     def is_owner(self) -> bool:
         return self._owner
+
+    def worker_launcher(self, **options: Any) -> Any:
+        """Workers sharing this store run as Ray actors of this driver
+        (``tq_plugin.data_plane.processes.launcher_for``)."""
+        from tq_plugin.data_plane.backends.ray_workers import RayActorLauncher
+
+        return RayActorLauncher(**options)
 
     def __reduce__(self):
         import ray
