@@ -5,7 +5,6 @@ The subprocess runs (slow tier) are few: each pays seconds of imports per proces
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import json
 import logging
@@ -239,35 +238,18 @@ def assert_one_process_update(proc: subprocess.CompletedProcess, out: Path,
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("backend", ["ray", "transferqueue"])
-def test_two_ranks_share_the_store_rank_zero_starts(tmp_path, one_process, backend):
+def test_two_ranks_share_the_store_rank_zero_starts(tmp_path, one_process, backend,
+                                                   run_process_tree):
     """The done-when command, ``tq-train trainer=ddp_cpu tq/backend=<shared>`` with no cluster:
     rank 0's process starts Ray (and TransferQueue) before the ranks exist, rank 1 attaches to
     it, rank 0 generates each step once into the store, every rank trains on its shard, the
-    update is the one-process update, and no Ray process outlives the run."""
-    import psutil  # a Ray dependency
-
-    cmd = subprocess_cmd(tmp_path, "trainer=ddp_cpu", "recipe.num_steps=2", f"tq/backend={backend}",
-                         "++tq.backend.ray_init.log_to_driver=false")
-    run = psutil.Popen(cmd, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
-                       stderr=subprocess.PIPE, text=True)
-    started: dict[int, psutil.Process] = {}  # every process the run started (ranks, Ray's)
-    try:
-        deadline = time.monotonic() + 280
-        while run.poll() is None and time.monotonic() < deadline:
-            with contextlib.suppress(psutil.Error):
-                started.update({c.pid: c for c in run.children(recursive=True)})
-            time.sleep(0.25)
-        out, err = run.communicate(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.wait()
-    proc = subprocess.CompletedProcess(cmd, run.returncode, out, err)
+    update is the one-process update, and no process of the run outlives it."""
+    proc, started, left = run_process_tree(
+        subprocess_cmd(tmp_path, "trainer=ddp_cpu", "recipe.num_steps=2", f"tq/backend={backend}",
+                       "++tq.backend.ray_init.log_to_driver=false"),
+        cwd=tmp_path, env=clean_env())
     assert_one_process_update(proc, tmp_path, one_process)
-    assert len(started) > 2, "no Ray process was started for the run"
-    _, left = psutil.wait_procs(list(started.values()), timeout=30)
-    for p in left:  # only what this run started
-        p.kill()
+    assert len(started) > 2  # rank 1 and Ray's own processes
     assert not left, [" ".join(p.cmdline())[:120] for p in left]
 
 
@@ -330,3 +312,32 @@ def test_sigterm_checkpoints_and_exits_non_zero_and_ckpt_path_resumes(tmp_path):
     assert [int(r["step"]) for r in rows(resumed)] == list(range(target))
     # The finished steps' figures came back from the checkpoint unchanged.
     assert rows(resumed)[:completed] == rows(out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_disaggregated_with_two_trainer_ranks(tmp_path, run_process_tree):
+    """The done-when's ``recipe=grpo tq/backend=ray recipe.topology=disaggregated
+    recipe.rollout_workers=2 recipe.max_staleness=1`` with a 2-rank DDP trainer: rank 0 runs the
+    workers and prepares each step, both ranks train every step on their shards, one result,
+    one row per step within the staleness bound, and no process of the run outlives it."""
+    steps = 3
+    cmd = [sys.executable, "-m", "tq_plugin.cli", "--config-name", "grpo", f"hydra.run.dir={tmp_path}",
+           *FAST, "trainer=ddp_cpu", "tq/backend=ray", "recipe.topology=disaggregated",
+           "recipe.rollout_workers=2", "recipe.max_staleness=1", f"recipe.num_steps={steps}",
+           "++tq.backend.ray_init.log_to_driver=false"]
+    proc, started, left = run_process_tree(cmd, cwd=tmp_path, env=clean_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank}/2: {steps} RL steps, {steps} optimizer steps" in proc.stdout
+    assert " raised:" not in proc.stderr and "died with" not in proc.stderr, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["status"] == "ok" and result["steps"] == steps
+    assert result["topology"] == "disaggregated" and result["workers_lost"] == 0
+    got = rows(tmp_path)
+    assert [int(r["step"]) for r in got] == list(range(steps))
+    assert all(0 <= int(r["staleness_max"]) <= 1 and int(r["workers_alive"]) == 2 for r in got)
+    # Each step's global batch is prompts_per_step * group_size rows, trained once over 2 ranks.
+    assert all(int(r["train_tokens"]) > 0 for r in got)
+    assert len(started) > 3  # rank 1, two worker actors, Ray's processes
+    assert not left, [" ".join(p.cmdline())[:120] for p in left]

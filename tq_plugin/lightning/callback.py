@@ -187,6 +187,11 @@ class DataPlaneCallback(Callback):
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if getattr(trainer, "world_size", 1) > 1:
+            # No rank closes before every rank is done with the fit: on a shared store the
+            # client that opened it first drops it on close, and another rank may still be in
+            # its last hooks (e.g. rank 0 stopping the rollout workers that write there).
+            trainer.strategy.barrier("DataPlaneCallback.teardown")
         self._close()
 
     @override

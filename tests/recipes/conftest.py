@@ -1,0 +1,44 @@
+"""Fixtures of the recipe tests."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture
+def run_process_tree() -> Callable[..., tuple[subprocess.CompletedProcess, list, list]]:
+    """``run(cmd, cwd=, env=, timeout=)``: run ``cmd`` to its end, noting every process it
+    starts (DDP ranks, Ray's processes, rollout workers) while it runs. Returns the completed
+    process, the processes its tree held, and those still running 30 s after it ended, which
+    are killed (only those: nothing else on the machine is touched)."""
+    import psutil  # a Ray dependency
+
+    def run(cmd: list[str], *, cwd: Path, env: dict[str, str], timeout: float = 280.0):
+        proc = psutil.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+        started: dict[int, psutil.Process] = {}
+        try:
+            deadline = time.monotonic() + timeout
+            while proc.poll() is None and time.monotonic() < deadline:
+                with contextlib.suppress(psutil.Error):
+                    started.update({c.pid: c for c in proc.children(recursive=True)})
+                time.sleep(0.25)
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        _, left = psutil.wait_procs(list(started.values()), timeout=30)
+        for p in left:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        completed = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        return completed, list(started.values()), left
+
+    return run
