@@ -20,7 +20,8 @@ LAYERS = {
     "tq_plugin.demo": 5,
 }
 BACKEND_ONLY = {
-    "ray": {"tq_plugin.data_plane.backends.ray_actor", "tq_plugin.data_plane.backends.transferqueue"},
+    "ray": {"tq_plugin.data_plane.backends.ray_actor", "tq_plugin.data_plane.backends.transferqueue",
+            "tq_plugin.data_plane.backends.ray_workers"},
     "transfer_queue": {"tq_plugin.data_plane.backends.transferqueue"},
 }
 

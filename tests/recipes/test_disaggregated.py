@@ -3,8 +3,9 @@
 Fast tier: the trainer's real ``ChunkCollector`` against an embedded store, with simulated
 rollout workers of random speeds (and deaths) writing rows the way ``tq_plugin.rl.workers``
 does; the truncated importance weights; the config refusals.
-Slow tier (Ray, worker processes): a 2-worker GRPO run through the entry point, and one whose
-worker is killed mid-run.
+Slow tier (Ray, the workers are Ray actors): a 2-worker GRPO run on each shared backend (Ray,
+TransferQueue), one whose worker is killed mid-run, and one whose trainer is killed (its worker
+actors go with it).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import logging
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -314,8 +316,9 @@ class KillWorker(Callback):
             os.kill(self.killed, signal.SIGKILL)
 
 
-def _run(tmp_path: Path, *overrides: str, kill: tuple[int, int] | None = None):
-    cfg = _compose(*RAY, *overrides)
+def _run(tmp_path: Path, *overrides: str, kill: tuple[int, int] | None = None,
+         backend: tuple[str, ...] = RAY):
+    cfg = _compose(*backend, *overrides)
     recipe = RLRecipe(cfg, tmp_path)
     recipe.setup()
     killer = None
@@ -329,6 +332,7 @@ def _run(tmp_path: Path, *overrides: str, kill: tuple[int, int] | None = None):
             recipe.disaggregated.stop()
     procs = recipe.disaggregated.procs
     assert procs and not any(p.is_alive() for p in procs), "a worker outlived the trainer"
+    assert all(type(p).__name__ == "RayActorHandle" for p in procs), "workers are Ray actors"
     result = json.loads((tmp_path / "result.json").read_text())
     with open(tmp_path / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
@@ -366,9 +370,22 @@ def test_a_worker_killed_mid_run(tmp_path, ray_session, capfd):
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
+@pytest.mark.usefixtures("_clean_hydra")
+def test_two_worker_run_on_transferqueue(tmp_path, tq_session):
+    address = tq_session.get_runtime_context().gcs_address
+    _, result, rows, _ = _run(tmp_path, "recipe.rollout_workers=2", "recipe.num_steps=3",
+                              backend=("tq/backend=transferqueue", *RAY[1:3],
+                                       f"tq.backend.address={address}"))
+    assert result["status"] == "ok" and result["steps"] == 3 and result["workers_lost"] == 0
+    assert [int(r["step"]) for r in rows] == [0, 1, 2]
+    assert all(int(r["workers_alive"]) == 2 and int(r["staleness_max"]) <= 1 for r in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_trainer_killed_leaves_no_worker_behind(tmp_path, ray_session):
-    """SIGKILL the trainer process mid-run: its rollout workers notice their parent is gone and
-    exit (no process of the run is left behind)."""
+    """SIGKILL the trainer process mid-run: Ray kills its rollout-worker actors (they are not
+    detached), so no process of the run is left behind. The trainer prints each worker's pid."""
     import psutil  # a Ray dependency
 
     address = ray_session.get_runtime_context().gcs_address
@@ -376,24 +393,29 @@ def test_trainer_killed_leaves_no_worker_behind(tmp_path, ray_session):
            f"hydra.run.dir={tmp_path}", *FAST, *RAY, "recipe.rollout_workers=2",
            "recipe.num_steps=10000", f"tq.backend.address={address}",
            "++tq.backend.ray_init.log_to_driver=false"]
-    trainer = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    workers: list[psutil.Process] = []
+    err = tmp_path / "trainer.err"
+    with open(err, "w") as err_file:
+        trainer = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err_file)
+    pids: list[int] = []
     try:
         deadline = time.monotonic() + 120
-        while len(workers) < 2 and time.monotonic() < deadline:  # the two spawned workers
-            workers = [p for p in psutil.Process(trainer.pid).children()
-                       if "spawn_main" in " ".join(p.cmdline())]
+        while len(pids) < 2 and time.monotonic() < deadline and trainer.poll() is None:
+            pids = [int(p) for p in re.findall(
+                r"rollout worker \d started \(pid (\d+), RayActorHandle\)", err.read_text())]
             time.sleep(0.5)
-        assert len(workers) == 2, "the trainer did not start its two workers"
+        assert len(pids) == 2, f"the trainer did not start two worker actors:\n{err.read_text()[-3000:]}"
+        workers = [psutil.Process(p) for p in pids]
+        assert all(w.ppid() != trainer.pid for w in workers)  # Ray's processes, not its children
         time.sleep(5)  # mid-run: workers generating
+        assert trainer.poll() is None and all(w.is_running() for w in workers)
         trainer.kill()
         trainer.wait(10)
-        _, alive = psutil.wait_procs(workers, timeout=30)
+        _, alive = psutil.wait_procs(workers, timeout=60)
         assert not alive, f"workers outlived the trainer: {[p.pid for p in alive]}"
     finally:
         if trainer.poll() is None:
             trainer.kill()
             trainer.wait(10)
-        for p in workers:  # only the processes this test's trainer started
-            if p.is_running():
-                p.kill()
+        for pid in pids:  # only the worker processes this test's trainer started
+            if psutil.pid_exists(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -1,7 +1,9 @@
 """``recipe.topology=disaggregated``: rollout workers generate ahead while the trainer trains.
 
-``recipe.rollout_workers=K`` processes (``tq_plugin.rl.workers``) generate continuously, each
-with the newest weights it has, every call staged through ``TQTokenSink`` and every finished
+``recipe.rollout_workers=K`` worker processes (``tq_plugin.rl.workers``; Ray actors of the
+trainer on the ``ray`` and ``transferqueue`` backends, started through the backend's launcher,
+``tq_plugin.data_plane.processes.launcher_for``) generate continuously, each with the newest
+weights it has, every call staged through ``TQTokenSink`` and every finished
 group written as training rows by ``RolloutReassembler`` into the ``rollouts`` partition of the
 shared store (``tq.backend``, opened and owned by the trainer). The trainer never runs a
 rollout: each RL step (the ``MetaDataModule``'s step source) claims ready rows through the
@@ -34,23 +36,29 @@ Tickets (``tq_plugin.rl.staleness.TicketLedger``): the trainer orders chunks of
 least-loaded live worker. A worker that dies is reported (stderr and ``workers_lost`` in
 ``result.json``); the rows it delivered stay in the store and train, the tickets it had not
 delivered go to the others, and once no worker is left the run stops with an error. The trainer
-stopping (end of fit, an exception, SIGTERM) stops the workers; a worker whose parent is gone
-exits on its own.
+stopping (end of fit, an exception, SIGTERM) stops the workers; when the trainer process dies
+Ray kills its worker actors (they are not detached; a spawned worker whose parent is gone exits
+on its own).
 
 metrics.csv gains ``staleness_max``, ``staleness_mean``, ``rows_dropped_stale``,
 ``trainer_wait_s`` (time blocked in claims), ``rollout_calls_per_s`` (staged calls delivered
 per second of the step's wall time) and ``workers_alive``.
 
-Requires a store shared across processes (``tq/backend=ray`` or ``tq/backend=transferqueue``)
-and one trainer process; the embedded ``local`` store cannot be reached from a worker process.
+Requires a store shared across processes (``tq/backend=ray`` or ``tq/backend=transferqueue``);
+the embedded ``local`` store cannot be reached from a worker process.
+
+**Several trainer ranks** (``trainer=ddp_cpu``): rank 0 alone runs this class's trainer side
+(it starts the workers, claims, prepares each step and publishes the weights, which DDP keeps
+equal on every rank). The step's rows go into the train partition of the shared store rather
+than an embedded one, and every rank reads its length-balanced shard of the broadcast step meta
+(``MetaDataModule(rows="shared")``, as a colocated run on a shared store), so each optimizer
+step trains the one-process global batch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import multiprocessing as mp
-import os
 import sys
 import time
 from typing import Any
@@ -70,6 +78,7 @@ from tq_plugin.data_plane import (
     KVBatchMeta,
     first_write,
 )
+from tq_plugin.data_plane.processes import launcher_for
 from tq_plugin.lightning import MICROBATCH_INFO
 from tq_plugin.rl.metrics import MetricsLog, _Step
 from tq_plugin.rl.staleness import StalenessFilter, Ticket, TicketLedger, truncated_is_weights
@@ -146,10 +155,6 @@ def check_disaggregated(cfg: Any) -> None:
             f"{backend._target_} is embedded in the trainer process)")
     if cfg.get("ckpt_path"):
         raise ValueError("recipe.topology=disaggregated does not resume from ckpt_path yet")
-    if cfg.trainer.get("strategy") not in (None, "auto") or cfg.trainer.get("devices", 1) not in (1, "auto"):
-        raise ValueError("recipe.topology=disaggregated runs one trainer process (trainer=cpu); "
-                         f"got trainer.strategy={cfg.trainer.get('strategy')}, "
-                         f"devices={cfg.trainer.get('devices')}")
 
 
 class ChunkCollector:
@@ -199,8 +204,9 @@ class ChunkCollector:
                         "prompts": torch.full((len(mine),), self.chunk_prompts)})
 
     def check_workers(self) -> None:
-        """Report each newly dead worker and reassign its undelivered tickets; ``RuntimeError``
-        once none is left."""
+        """Report each newly dead worker (a ``WorkerHandle`` whose ``exitcode`` is set: it
+        raised, was killed, or its actor died) and reassign its undelivered tickets;
+        ``RuntimeError`` once none is left."""
         for k, proc in enumerate(self.procs):
             if k in self.ledger.alive and proc.exitcode is not None:
                 while self.claim(blocking=False):  # book what it delivered before reassigning
@@ -313,7 +319,9 @@ class Disaggregated(Callback):
     # ------------------------------------------------------------------ workers
     def start(self, local: Any) -> None:
         """Open the shared store (``tq.backend``, owned here), register the exchange partitions,
-        publish version 0, start the worker processes. ``local``: the trainer's own store."""
+        publish version 0, start the workers where the backend runs them (``launcher_for``: Ray
+        actors on the Ray backends) and print each one's pid. ``local``: the trainer's own
+        store."""
         rc = self.rc
         self.client = client = instantiate(self.recipe.cfg.tq.backend)
         self.collector = ChunkCollector(
@@ -322,34 +330,29 @@ class Disaggregated(Callback):
             procs=self.procs)
         self.collector.register()
         publish_weights(client, self.recipe.module.policy, 0)
-        ctx = mp.get_context("spawn")
-        self.stop_event = ctx.Event()
+        launcher = launcher_for(client)
         for k in range(rc.rollout_workers):
-            spec = WorkerSpec(index=k, client=client, cfg=self.recipe.cfg, parent_pid=os.getpid())
-            proc = ctx.Process(target=worker_main, args=(spec, self.stop_event), daemon=True,
-                               name=f"tq-rollout-{k}")
-            proc.start()
-            self.procs.append(proc)
+            spec = WorkerSpec(index=k, client=client, cfg=self.recipe.cfg)
+            self.procs.append(launcher.start(worker_main, (spec,), name=f"tq-rollout-{k}"))
+        for k, proc in enumerate(self.procs):  # every worker started before the first pid wait
+            msg = f"[tq_plugin] rollout worker {k} started (pid {proc.pid}, {type(proc).__name__})"
+            print(msg, file=sys.stderr, flush=True)
+            log.info(msg)
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop every worker this trainer started (idempotent): ask, then terminate, then kill."""
-        if self.stop_event is not None:
-            self.stop_event.set()
+        """Stop every worker this trainer started (idempotent): ask them all, then each gets
+        what is left of ``timeout_s`` to return before its handle forces it."""
+        for proc in self.procs:
+            proc.request_stop()
         deadline = time.monotonic() + timeout_s
         for proc in self.procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in self.procs:
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(2.0)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(2.0)
+            proc.stop(max(0.0, deadline - time.monotonic()))
         if self.client is not None:
             self.client.close()  # the owner drops the shared store (idempotent)
 
     def prepare_step(self, step: int) -> KVBatchMeta:
-        """The step source under the disaggregated topology (see the module docstring)."""
+        """The step source under the disaggregated topology (see the module docstring); under
+        DDP it runs on rank 0 only."""
         from tq_plugin.rl.recipe import RL_STEP
 
         recipe, m = self.recipe, self.recipe.module
@@ -395,12 +398,6 @@ class Disaggregated(Callback):
         m.write_to_dataplane(meta, {ADVANTAGES: td[ADVANTAGES] * w})
 
     # ------------------------------------------------------------------ Lightning hooks
-    @override
-    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.world_size > 1:
-            raise ValueError("recipe.topology=disaggregated runs one trainer process; got "
-                             f"{trainer.world_size} ranks")
-
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:

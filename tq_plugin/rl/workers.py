@@ -1,7 +1,9 @@
 """Rollout-worker processes of the disaggregated topology (``recipe.topology=disaggregated``).
 
-Each worker is one process (``multiprocessing`` spawn, one torch thread) attached to the
-trainer's shared store (the pickled ``RayDataPlane`` client re-attaches by name). Everything it
+Each worker is one process on one torch thread, started where the shared store's backend
+says (``tq_plugin.data_plane.processes.launcher_for``): a Ray actor of the trainer on the
+``ray`` and ``transferqueue`` backends, a ``multiprocessing`` spawn process otherwise. It
+attaches to the trainer's shared store (the pickled client re-attaches by name). Everything it
 exchanges with the trainer goes through that store:
 
 * **tickets** (partition ``rollout_tickets_w{k}``, task ``generate``): the trainer's orders. A
@@ -21,17 +23,17 @@ exchanges with the trainer goes through that store:
   ``weight_version`` is written, so it never sees a chunk half done.
 
 Ray is not imported here (only the backend adapters may, ``tests/test_architecture.py``): the
-workers are ``multiprocessing`` processes rather than Ray actors, and everything Ray-specific
-happens inside the client they attach with.
+backend's launcher decides where the worker runs, and everything Ray-specific happens there and
+inside the client the worker attaches with.
 
-A worker stops when the trainer sets its stop event, when its parent process is gone, or on
-an error (its traceback goes to stderr and its exit code tells the trainer it died).
+A worker stops when its stop signal is set (the trainer stops it; a spawned worker's signal is
+also set once its parent process is gone, a Ray actor dies with the driver that created it), or
+on an error (its traceback goes to stderr and its exit code tells the trainer it died).
 """
 
 from __future__ import annotations
 
 import inspect
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +42,7 @@ from hydra.utils import instantiate
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from tq_plugin.data_plane import LocalDataPlane
+from tq_plugin.data_plane.processes import StopSignal
 
 WEIGHTS_PARTITION = "policy_weights"
 # The shared partition the workers deliver finished training rows into (the trainer claims
@@ -130,7 +133,6 @@ class WorkerSpec:
     index: int
     client: Any  # a shared-store client; pickles to an attach-by-name
     cfg: Any  # the run's DictConfig (task, model, tq.staging, recipe)
-    parent_pid: int
 
 
 def _build(spec: WorkerSpec) -> tuple[Any, Any, Any, Any]:
@@ -184,29 +186,38 @@ def next_ticket(held: list[dict[str, int]], newest: int | None) -> dict[str, int
     return min(runnable, key=lambda t: (t["target"], t["ticket"])) if runnable else None
 
 
-def worker_main(spec: WorkerSpec, stop: Any) -> None:
+def _claim_tickets(client: Any, partition: str, *, blocking: bool) -> list[dict[str, Any]]:
+    """Every ticket waiting in ``partition``, claimed one row at a time: a backend may hand out
+    full batches only (TransferQueue's fetch returns ``batch_size`` rows or none), and a worker
+    holds a few tickets at most. ``blocking``: wait (``TimeoutError`` after 0.2 s) for the first."""
+    held: list[dict[str, Any]] = []
+    while True:
+        meta = client.claim_meta(partition, GENERATE_TASK, list(TICKET_FIELDS), batch_size=1,
+                                 blocking=blocking and not held, timeout_s=0.2)
+        if not meta.size:
+            return held
+        order = client.get_data(meta, list(TICKET_FIELDS))
+        held.append({f: int(order[f][0]) for f in TICKET_FIELDS} | {"id": meta.sample_ids[0]})
+
+
+def worker_main(spec: WorkerSpec, *, stop: StopSignal) -> None:
     """A worker process's loop: claim tickets, pick a runnable one, generate with the newest
-    weights, deliver."""
+    weights, deliver; returns once ``stop`` is set (its launcher calls it so)."""
     torch.set_num_threads(1)
     client, rc = spec.client, spec.cfg.recipe
     task, policy, rollout, reassembler = _build(spec)
     weights = _Weights(client, policy)
     partition = tickets_partition(spec.index)
     held: list[dict[str, int]] = []
-    while not stop.is_set() and os.getppid() == spec.parent_pid:
+    while not stop.is_set():
         try:
-            meta = client.claim_meta(partition, GENERATE_TASK, list(TICKET_FIELDS), batch_size=64,
-                                     blocking=not held, timeout_s=0.2)
+            held += _claim_tickets(client, partition, blocking=not held)
         except TimeoutError:
             continue
         except Exception:
             if stop.is_set():  # the trainer closed the store while we waited
                 return
             raise
-        if meta.size:
-            order = client.get_data(meta, list(TICKET_FIELDS))
-            held += [{f: int(order[f][i]) for f in TICKET_FIELDS} | {"id": sid}
-                     for i, sid in enumerate(meta.sample_ids)]
         ticket = next_ticket(held, newest_weights(client))
         if ticket is None:  # every held ticket waits for newer weights: wait for a publish
             try:
