@@ -225,12 +225,14 @@ class ChunkCollector:
                 self.send(reissued)
 
     def claim(self, *, blocking: bool) -> int:
-        """Claim ready rows into the buffer, one meta per ticket; returns the rows claimed.
-        The time spent blocked adds to ``waited_s``."""
+        """Claim one ready chunk into the buffer; returns the rows claimed. A chunk's rows
+        become ready together (the worker's one ready-signal put), so a claim of ``chunk_rows``
+        takes one whole chunk (TransferQueue's claim returns full batches only). The time spent
+        blocked adds to ``waited_s``."""
         t0 = time.perf_counter()
         try:
             meta = self.client.claim_meta(ROLLOUTS_PARTITION, READY_TASK, [WEIGHT_VERSION],
-                                          batch_size=self.rows_per_step, blocking=blocking,
+                                          batch_size=self.chunk_rows, blocking=blocking,
                                           timeout_s=0.5)
         except TimeoutError:
             meta = None
@@ -309,7 +311,6 @@ class Disaggregated(Callback):
         self.recipe = recipe
         self.rc = recipe.rc
         self.procs: list[Any] = []
-        self.stop_event: Any = None
         self.client: Any = None
         self.collector: ChunkCollector | None = None
 

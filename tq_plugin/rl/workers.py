@@ -221,8 +221,9 @@ def worker_main(spec: WorkerSpec, *, stop: StopSignal) -> None:
         ticket = next_ticket(held, newest_weights(client))
         if ticket is None:  # every held ticket waits for newer weights: wait for a publish
             try:
+                # One row: any new version wakes it (TransferQueue's claim returns full batches only).
                 client.claim_meta(WEIGHTS_PARTITION, weights_task(spec.index), [WEIGHT_VERSION],
-                                  batch_size=64, blocking=True, timeout_s=0.05)
+                                  batch_size=1, blocking=True, timeout_s=0.05)
             except TimeoutError:
                 pass
             continue
