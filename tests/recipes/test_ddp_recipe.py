@@ -155,7 +155,9 @@ def test_a_named_cluster_or_an_embedded_store_is_left_as_configured(shared_backe
 def test_rank_zero_fails_when_a_launched_rank_failed():
     ok = subprocess.Popen([sys.executable, "-c", "pass"])
     bad = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
-    trainer = SimpleNamespace(strategy=SimpleNamespace(launcher=SimpleNamespace(procs=[ok, bad])))
+    spawned = SimpleNamespace(pid=1, exitcode=0)  # ddp_spawn's: joined by its launcher already
+    trainer = SimpleNamespace(strategy=SimpleNamespace(launcher=SimpleNamespace(
+        procs=[ok, spawned, bad])))
     with pytest.raises(RuntimeError, match=r"DDP rank 2 \(pid \d+\) exited with status 3"):
         ranks.wait_for_launched_ranks(trainer, timeout_s=60)
 
@@ -237,15 +239,17 @@ def assert_one_process_update(proc: subprocess.CompletedProcess, out: Path,
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("backend", ["ray", "transferqueue"])
-def test_two_ranks_share_the_store_rank_zero_starts(tmp_path, one_process, backend,
+@pytest.mark.parametrize(("backend", "strategy"), [("ray", "ddp"), ("transferqueue", "ddp"),
+                                                    ("ray", "ddp_spawn")])
+def test_two_ranks_share_the_store_rank_zero_starts(tmp_path, one_process, backend, strategy,
                                                    run_process_tree):
     """The done-when command, ``tq-train trainer=ddp_cpu tq/backend=<shared>`` with no cluster:
     rank 0's process starts Ray (and TransferQueue) before the ranks exist, rank 1 attaches to
     it, rank 0 generates each step once into the store, every rank trains on its shard, the
     update is the one-process update, and no process of the run outlives it."""
     proc, started, left = run_process_tree(
-        subprocess_cmd(tmp_path, "trainer=ddp_cpu", "recipe.num_steps=2", f"tq/backend={backend}",
+        subprocess_cmd(tmp_path, "trainer=ddp_cpu", f"trainer.strategy={strategy}",
+                       "recipe.num_steps=2", f"tq/backend={backend}",
                        "++tq.backend.ray_init.log_to_driver=false"),
         cwd=tmp_path, env=clean_env())
     assert_one_process_update(proc, tmp_path, one_process)

@@ -145,8 +145,11 @@ def exported_address(address: str | None) -> Iterator[None]:
 def wait_for_launched_ranks(trainer: Any, timeout_s: float = 120.0) -> None:
     """Wait for the rank processes this process's trainer launched (``ddp``: Lightning re-runs
     the command for ranks 1..N) to exit, so a cluster this process hosts outlives every rank
-    attached to it. A rank still running after ``timeout_s`` raises ``TimeoutError``."""
-    procs: list[subprocess.Popen] = list(getattr(trainer.strategy.launcher, "procs", None) or [])
+    attached to it. A rank still running after ``timeout_s`` raises ``TimeoutError``.
+    (``ddp_spawn``'s launcher has joined its processes, and raised for a failed one, before the
+    fit returns.)"""
+    procs = [p for p in getattr(trainer.strategy.launcher, "procs", None) or []
+             if isinstance(p, subprocess.Popen)]
     for rank, proc in enumerate(procs, start=1):
         try:
             code = proc.wait(timeout_s)
