@@ -154,3 +154,45 @@ def test_a_tags_only_put_creates_rows_and_tags_merge(tq):
     assert tq.get_tags(["n"], "train") == [{"x": 1, "y": 2}]
     with pytest.raises(ValueError, match="reserved"):
         tq.put_samples(["__tq_plugin_schema__"], "train", {"r": torch.zeros(1)})
+
+
+def test_a_claimed_row_always_has_its_tags(tq):
+    """TransferQueue 0.1.11 marks a put's fields ready before it sets the put's tags; the
+    adapter sets the tags first, so a claim racing the put never hands out a row without them
+    (the disaggregated trainer reads each chunk's ticket from the tags of the rows it claims)."""
+    rounds, claimed, errors = 60, [], []
+
+    def produce():
+        try:
+            for i in range(rounds):
+                tq.put_samples([f"r{i}"], "train", {"v": torch.tensor([i])}, tags=[{"ticket": i}])
+        except Exception as e:  # noqa: BLE001 - reported by the assert below
+            errors.append(e)
+
+    writer = threading.Thread(target=produce)
+    writer.start()
+    while len(claimed) < rounds and not errors:
+        meta = tq.claim_meta("train", "consume", ["v"], batch_size=1, blocking=True, timeout_s=30)
+        claimed += [(sid, dict(tag)) for sid, tag in zip(meta.sample_ids, meta.tags, strict=True)]
+    writer.join()
+    assert not errors
+    assert [tag.get("ticket") for _, tag in claimed] == [int(sid[1:]) for sid, _ in claimed]
+
+
+def test_an_emptied_partition_takes_a_field_of_another_dtype(tq, tq_session):
+    """As LocalDataPlane: once no row holds a field it may change dtype. The put decides (the
+    clear that empties a partition no longer rewrites its schema, which raced other clients'
+    puts: their rows landed under a schema without their fields)."""
+    from tq_plugin.data_plane.backends.transferqueue import TransferQueueDataPlane
+
+    tq.put_samples(["a"], "train", {"lp": ragged([3], torch.float32)})
+    tq.clear_samples(["a"], "train")
+    tq.put_samples(["b"], "train", {"lp": ragged([2], torch.float64)})  # empty: may change
+    assert tq.get_samples(["b"], "train", ["lp"])["lp"].dtype == torch.float64
+    other = TransferQueueDataPlane(tq.store, _owner=False)  # another process's client
+    other.put_samples(["c"], "train", {"lp": ragged([1], torch.float64)})
+    tq.clear_samples(["b"], "train")  # leaves "c": its field stays readable
+    assert tq.get_samples(["c"], "train", ["lp"])["lp"].dtype == torch.float64
+    other.clear_samples(["c"], "train")
+    with pytest.raises(KeyError):
+        tq.get_samples(["c"], "train", ["lp"])

@@ -419,3 +419,31 @@ def test_trainer_killed_leaves_no_worker_behind(tmp_path, ray_session):
         for pid in pids:  # only the worker processes this test's trainer started
             if psutil.pid_exists(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------- weights
+def test_weight_publisher_lands_versions_in_order_and_never_loses_a_failure():
+    from tq_plugin.rl.workers import WEIGHTS_PARTITION, WeightPublisher, newest_weights, weights_id
+
+    client = LocalDataPlane()
+    client.register_partition(WEIGHTS_PARTITION, [])
+    model = torch.nn.Linear(3, 2)
+    publisher = WeightPublisher(client, keep=2)
+    for version in range(1, 5):
+        publisher.publish(model, version)
+        with torch.no_grad():
+            model.weight.add_(1.0)  # the next optimizer step: must not reach the snapshot
+    publisher.close()
+    assert newest_weights(client) == 4
+    assert client.list_sample_ids(WEIGHTS_PARTITION) == [weights_id(3), weights_id(4)]
+    got = client.get_samples([weights_id(4)], WEIGHTS_PARTITION, ["weights"])["weights"][0]
+    assert float(got[0]) == pytest.approx(float(model.weight.detach()[0, 0]) - 1.0)  # at publish
+
+    class Failing(LocalDataPlane):
+        def put_samples(self, *args, **kwargs):
+            raise ConnectionError("store gone")
+
+    failing = WeightPublisher(Failing())
+    failing.publish(model, 1)
+    with pytest.raises(ConnectionError, match="store gone"):
+        failing.close()  # or the next publish: never silent

@@ -93,6 +93,7 @@ from tq_plugin.rl.workers import (
     WEIGHT_VERSION,
     WEIGHTS,
     WEIGHTS_PARTITION,
+    WeightPublisher,
     WorkerSpec,
     publish_weights,
     tickets_partition,
@@ -313,6 +314,7 @@ class Disaggregated(Callback):
         self.procs: list[Any] = []
         self.client: Any = None
         self.collector: ChunkCollector | None = None
+        self.publisher: WeightPublisher | None = None
 
     def metrics_log(self, base: MetricsLog) -> AsyncMetricsLog:
         return AsyncMetricsLog(base.output_dir, packing=base.packing)
@@ -330,7 +332,8 @@ class Disaggregated(Callback):
             group_size=rc.group_size, workers=rc.rollout_workers, max_staleness=rc.max_staleness,
             procs=self.procs)
         self.collector.register()
-        publish_weights(client, self.recipe.module.policy, 0)
+        publish_weights(client, self.recipe.module.policy, 0)  # before any worker starts
+        self.publisher = WeightPublisher(client)
         launcher = launcher_for(client)
         for k in range(rc.rollout_workers):
             spec = WorkerSpec(index=k, client=client, cfg=self.recipe.cfg)
@@ -342,7 +345,17 @@ class Disaggregated(Callback):
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop every worker this trainer started (idempotent): ask them all, then each gets
-        what is left of ``timeout_s`` to return before its handle forces it."""
+        what is left of ``timeout_s`` to return before its handle forces it. A weights publish
+        still in flight lands first; one that failed is reported on stderr (training is over,
+        or already failing: the workers only missed a version)."""
+        if self.publisher is not None:
+            publisher, self.publisher = self.publisher, None
+            try:
+                publisher.close()
+            except Exception as e:  # noqa: BLE001 - reported, and the shutdown goes on
+                msg = f"[tq_plugin] publishing weights to the rollout workers failed: {e!r}"
+                print(msg, file=sys.stderr, flush=True)
+                log.error(msg)
         for proc in self.procs:
             proc.request_stop()
         deadline = time.monotonic() + timeout_s
@@ -403,8 +416,8 @@ class Disaggregated(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         info = pl_module.dp_meta.extra_info[MICROBATCH_INFO]
-        if info["last_in_step"] and self.client is not None:
-            publish_weights(self.client, pl_module.policy, int(info["step"]) + 1)
+        if info["last_in_step"] and self.publisher is not None:
+            self.publisher.publish(pl_module.policy, int(info["step"]) + 1)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

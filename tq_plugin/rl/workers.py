@@ -34,6 +34,7 @@ on an error (its traceback goes to stderr and its exit code tells the trainer it
 from __future__ import annotations
 
 import inspect
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,13 +77,58 @@ def newest_weights(client: Any) -> int | None:
     return max(versions) if versions else None
 
 
-def publish_weights(client: Any, model: torch.nn.Module, version: int, *, keep: int = 2) -> None:
-    """Put ``model``'s parameters as version ``version``; drop versions older than ``keep``."""
-    flat = parameters_to_vector([p.detach() for p in model.parameters()]).float().unsqueeze(0)
+def weights_snapshot(model: torch.nn.Module) -> torch.Tensor:
+    """``model``'s parameters as one float32 row ``[1, P]``: a copy, so the next optimizer step
+    does not change what is being published."""
+    return parameters_to_vector([p.detach() for p in model.parameters()]).float().unsqueeze(0)
+
+
+def put_weights(client: Any, flat: torch.Tensor, version: int, *, keep: int = 2) -> None:
+    """Put a :func:`weights_snapshot` as version ``version``; drop versions older than ``keep``."""
     client.put_samples([weights_id(version)], WEIGHTS_PARTITION,
                        fields={WEIGHTS: flat, WEIGHT_VERSION: torch.tensor([version])})
     if version >= keep:  # versions are published in order: the one ``keep`` back is the oldest
         client.clear_samples([weights_id(version - keep)], WEIGHTS_PARTITION)
+
+
+def publish_weights(client: Any, model: torch.nn.Module, version: int, *, keep: int = 2) -> None:
+    """Put ``model``'s parameters as version ``version``; drop versions older than ``keep``."""
+    put_weights(client, weights_snapshot(model), version, keep=keep)
+
+
+class WeightPublisher:
+    """Publishes the trainer's weights without making it wait for the store.
+
+    ``publish`` takes the snapshot at once (a copy: the next optimizer step cannot change it)
+    and hands the put, and the clear of the version ``keep`` back, to one background thread, so
+    versions land in order while the trainer goes on with the next step. A publish that failed
+    raises from the next ``publish`` or from ``close``: it is never lost silently.
+    """
+
+    def __init__(self, client: Any, *, keep: int = 2) -> None:
+        self.client, self.keep = client, keep
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tq-weights")
+        self._pending: list[Future] = []
+
+    def _reap(self, *, wait: bool) -> None:
+        """Raise the first failure among the publishes that are done (all, with ``wait``)."""
+        done = [f for f in self._pending if wait or f.done()]
+        self._pending = [f for f in self._pending if f not in done]
+        for future in done:
+            future.result()
+
+    def publish(self, model: torch.nn.Module, version: int) -> None:
+        self._reap(wait=False)
+        flat = weights_snapshot(model)
+        self._pending.append(self._pool.submit(put_weights, self.client, flat, version,
+                                               keep=self.keep))
+
+    def close(self) -> None:
+        """Wait for the publishes in flight (raising the first failure) and stop the thread."""
+        try:
+            self._reap(wait=True)
+        finally:
+            self._pool.shutdown(wait=True)
 
 
 # Where each client method takes its partition: (keyword, position).
@@ -221,9 +267,11 @@ def worker_main(spec: WorkerSpec, *, stop: StopSignal) -> None:
         ticket = next_ticket(held, newest_weights(client))
         if ticket is None:  # every held ticket waits for newer weights: wait for a publish
             try:
-                # One row: any new version wakes it (TransferQueue's claim returns full batches only).
+                # One row: any new version wakes it at once (TransferQueue's claim returns full
+                # batches only); the timeout only bounds how late a reassigned ticket or the stop
+                # signal is noticed, and a short one would poll the store ~60 times a second.
                 client.claim_meta(WEIGHTS_PARTITION, weights_task(spec.index), [WEIGHT_VERSION],
-                                  batch_size=1, blocking=True, timeout_s=0.05)
+                                  batch_size=1, blocking=True, timeout_s=0.5)
             except TimeoutError:
                 pass
             continue
@@ -244,5 +292,6 @@ def worker_main(spec: WorkerSpec, *, stop: StopSignal) -> None:
         client.clear_samples([ticket["id"]], partition)
 
 
-__all__ = ["ROLLOUTS_PARTITION", "SplitClient", "WorkerSpec", "newest_weights", "next_ticket",
-           "publish_weights", "tickets_partition", "weights_task", "worker_main"]
+__all__ = ["ROLLOUTS_PARTITION", "SplitClient", "WeightPublisher", "WorkerSpec", "newest_weights",
+           "next_ticket", "publish_weights", "put_weights", "tickets_partition", "weights_snapshot",
+           "weights_task", "worker_main"]

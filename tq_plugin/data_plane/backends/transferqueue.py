@@ -289,6 +289,9 @@ class TransferQueueDataPlane:
         self._call("kv_put", key=SCHEMA_KEY, partition_id=self._pid(partition_id), fields=None,
                    tag={"schema": json.dumps(schema)})
 
+    def _holds_rows(self, partition_id: str) -> bool:
+        return any(k != SCHEMA_KEY for k in self._keys(partition_id))
+
     def _existing(self, partition_id: str, ids: list[str]) -> int:
         meta = self._ccall("kv_retrieve_meta", keys=ids, partition_id=self._pid(partition_id),
                            create=False)
@@ -360,8 +363,18 @@ class TransferQueueDataPlane:
         items = field_items(fields, n)
         with self._lock:
             schema = self._schema(partition_id)
-            view = _PartitionView(partition_id, schema)
-            prepared = [prepare(view, name, value, n) for name, value in items]
+            try:
+                prepared = [prepare(_PartitionView(partition_id, schema), name, value, n)
+                            for name, value in items]
+            except (TypeError, ValueError):
+                # Once a partition holds no rows its fields may change dtype or shape again.
+                # Decided here, not by the clear that emptied it: a clear in another process
+                # cannot tell a put that is landing rows right now from none.
+                if not schema["fields"] or self._holds_rows(partition_id):
+                    raise
+                schema["fields"] = {}
+                prepared = [prepare(_PartitionView(partition_id, schema), name, value, n)
+                            for name, value in items]
             if n and mode != "upsert":
                 self._check_mode(partition_id, ids, mode)
             payload: dict[str, torch.Tensor] = {}
@@ -381,7 +394,13 @@ class TransferQueueDataPlane:
             if n:
                 if changed:
                     self._save_schema(partition_id, schema)
-                self._call("kv_batch_put", keys=ids, partition_id=self._pid(partition_id),
+                pid = self._pid(partition_id)
+                if payload and tag_rows is not None:
+                    # TransferQueue 0.1.11 marks the fields ready before it sets the tags, so a
+                    # claim in between would hand out rows without their tags: tags go first.
+                    self._call("kv_batch_put", keys=ids, partition_id=pid, fields=None,
+                               tags=tag_rows)
+                self._call("kv_batch_put", keys=ids, partition_id=pid,
                            fields=TensorDict(payload, batch_size=[n]) if payload else None,
                            tags=tag_rows)
         return KVBatchMeta(
@@ -499,11 +518,6 @@ class TransferQueueDataPlane:
                 drop = [s for s in dict.fromkeys(ids) if s in keys and s != SCHEMA_KEY]
             if drop:
                 self._call("kv_clear", keys=drop, partition_id=self._pid(partition_id))
-            if sample_ids is not None and SCHEMA_KEY in keys and len(keys) - len(drop) == 1:
-                schema = json.loads(keys[SCHEMA_KEY]["schema"])
-                if schema["fields"]:
-                    schema["fields"] = {}
-                    self._save_schema(partition_id, schema)
 
     # ------------------------------------------------------------------ claims
     def claim_meta(self, partition_id: str, task_name: str, required_fields: Sequence[str],
