@@ -422,18 +422,18 @@ def test_trainer_killed_leaves_no_worker_behind(tmp_path, ray_session):
 
 
 # ---------------------------------------------------------------- weights
-def test_weight_publisher_lands_versions_in_order_and_never_loses_a_failure():
-    from tq_plugin.rl.workers import WEIGHTS_PARTITION, WeightPublisher, newest_weights, weights_id
+def test_background_writes_land_in_order_and_never_lose_a_failure():
+    from tq_plugin.rl.workers import WEIGHTS_PARTITION, BackgroundWriter, newest_weights, weights_id
 
     client = LocalDataPlane()
     client.register_partition(WEIGHTS_PARTITION, [])
     model = torch.nn.Linear(3, 2)
-    publisher = WeightPublisher(client, keep=2)
+    writer = BackgroundWriter()
     for version in range(1, 5):
-        publisher.publish(model, version)
+        writer.publish_weights(client, model, version, keep=2)
         with torch.no_grad():
             model.weight.add_(1.0)  # the next optimizer step: must not reach the snapshot
-    publisher.close()
+    writer.close()
     assert newest_weights(client) == 4
     assert client.list_sample_ids(WEIGHTS_PARTITION) == [weights_id(3), weights_id(4)]
     got = client.get_samples([weights_id(4)], WEIGHTS_PARTITION, ["weights"])["weights"][0]
@@ -443,7 +443,7 @@ def test_weight_publisher_lands_versions_in_order_and_never_loses_a_failure():
         def put_samples(self, *args, **kwargs):
             raise ConnectionError("store gone")
 
-    failing = WeightPublisher(Failing())
-    failing.publish(model, 1)
+    failing = BackgroundWriter()
+    failing.publish_weights(Failing(), model, 1)
     with pytest.raises(ConnectionError, match="store gone"):
-        failing.close()  # or the next publish: never silent
+        failing.close()  # or the next submit: never silent

@@ -93,7 +93,7 @@ from tq_plugin.rl.workers import (
     WEIGHT_VERSION,
     WEIGHTS,
     WEIGHTS_PARTITION,
-    WeightPublisher,
+    BackgroundWriter,
     WorkerSpec,
     publish_weights,
     tickets_partition,
@@ -162,7 +162,11 @@ class ChunkCollector:
     """The trainer's side of the exchange, without Lightning: orders chunks, books deliveries,
     watches the workers and assembles each step's rows under the staleness bound.
 
-    ``procs[k]`` is worker ``k``'s process (anything with ``exitcode`` and ``pid``).
+    ``procs[k]`` is worker ``k``'s process (anything with ``exitcode`` and ``pid``). ``writer``
+    (a ``BackgroundWriter``, set by ``Disaggregated.start``) takes the writes nothing waits for
+    (ticket puts, clears of copied or dropped rows) off the trainer's critical path; without one
+    they run inline. (Claiming and reading chunks on a background thread as well was measured
+    slower: the thread's Ray calls contend with the trainer for the GIL.)
     """
 
     def __init__(self, client: Any, local: Any, *, train_partition: str, prompts_per_step: int,
@@ -182,6 +186,13 @@ class ChunkCollector:
         self.workers_lost = 0
         self.waited_s = 0.0
         self._last_ready = time.perf_counter()
+        self.writer: BackgroundWriter | None = None
+
+    def _write(self, fn: Any, /, *args: Any, **kwargs: Any) -> None:
+        if self.writer is None:
+            fn(*args, **kwargs)
+        else:
+            self.writer.submit(fn, *args, **kwargs)
 
     def register(self) -> None:
         """The exchange partitions (before any worker starts)."""
@@ -197,8 +208,8 @@ class ChunkCollector:
         """One put per worker with tickets."""
         for worker in sorted({t.worker for t in tickets}):
             mine = [t for t in tickets if t.worker == worker]
-            self.client.put_samples(
-                [f"t{t.ticket}" for t in mine], tickets_partition(worker),
+            self._write(
+                self.client.put_samples, [f"t{t.ticket}" for t in mine], tickets_partition(worker),
                 fields={"ticket": torch.tensor([t.ticket for t in mine]),
                         "target": torch.tensor([t.target for t in mine]),
                         "min_version": torch.tensor([t.min_version for t in mine]),
@@ -261,7 +272,7 @@ class ChunkCollector:
         td = self.client.get_samples(chunk.sample_ids, ROLLOUTS_PARTITION, fields)
         local = first_write(dict(td.items()), sample_ids=chunk.sample_ids, client=self.local,
                             partition_id=self.train_partition, tags=chunk.tags)
-        self.client.clear_samples(chunk.sample_ids, ROLLOUTS_PARTITION)
+        self._write(self.client.clear_samples, chunk.sample_ids, ROLLOUTS_PARTITION)
         return local
 
     def collect(self, step: int) -> tuple[list[KVBatchMeta], dict[str, Any]]:
@@ -276,7 +287,7 @@ class ChunkCollector:
                 tag = chunk.tags[0]
                 calls += int(tag[CALLS_TAG])
                 if not self.filter.admits(step, int(tag[VERSION_TAG]), chunk.size):
-                    self.client.clear_samples(chunk.sample_ids, ROLLOUTS_PARTITION)
+                    self._write(self.client.clear_samples, chunk.sample_ids, ROLLOUTS_PARTITION)
                     dropped += chunk.size
                     self.send(self.ledger.replace(step, 1))
                     continue
@@ -314,7 +325,7 @@ class Disaggregated(Callback):
         self.procs: list[Any] = []
         self.client: Any = None
         self.collector: ChunkCollector | None = None
-        self.publisher: WeightPublisher | None = None
+        self.writer: BackgroundWriter | None = None
 
     def metrics_log(self, base: MetricsLog) -> AsyncMetricsLog:
         return AsyncMetricsLog(base.output_dir, packing=base.packing)
@@ -333,7 +344,7 @@ class Disaggregated(Callback):
             procs=self.procs)
         self.collector.register()
         publish_weights(client, self.recipe.module.policy, 0)  # before any worker starts
-        self.publisher = WeightPublisher(client)
+        self.writer = self.collector.writer = BackgroundWriter()
         launcher = launcher_for(client)
         for k in range(rc.rollout_workers):
             spec = WorkerSpec(index=k, client=client, cfg=self.recipe.cfg)
@@ -345,15 +356,15 @@ class Disaggregated(Callback):
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop every worker this trainer started (idempotent): ask them all, then each gets
-        what is left of ``timeout_s`` to return before its handle forces it. A weights publish
-        still in flight lands first; one that failed is reported on stderr (training is over,
-        or already failing: the workers only missed a version)."""
-        if self.publisher is not None:
-            publisher, self.publisher = self.publisher, None
+        what is left of ``timeout_s`` to return before its handle forces it. The background
+        writes still in flight land first; one that failed is reported on stderr (training is
+        over, or already failing)."""
+        if self.writer is not None:
+            writer, self.writer = self.writer, None
             try:
-                publisher.close()
+                writer.close()
             except Exception as e:  # noqa: BLE001 - reported, and the shutdown goes on
-                msg = f"[tq_plugin] publishing weights to the rollout workers failed: {e!r}"
+                msg = f"[tq_plugin] a background write to the shared store failed: {e!r}"
                 print(msg, file=sys.stderr, flush=True)
                 log.error(msg)
         for proc in self.procs:
@@ -367,7 +378,7 @@ class Disaggregated(Callback):
     def prepare_step(self, step: int) -> KVBatchMeta:
         """The step source under the disaggregated topology (see the module docstring); under
         DDP it runs on rank 0 only."""
-        from tq_plugin.rl.recipe import RL_STEP
+        from tq_plugin.rl.recipe import RL_STEP, action_tokens_and_gap
 
         recipe, m = self.recipe, self.recipe.module
         if self.client is None:
@@ -381,9 +392,8 @@ class Disaggregated(Callback):
         if recipe.ppo:
             m.forward_pass(meta, role="value", step=step)
         recipe._write_advantages(meta)
-        self._correct(meta)
-        actions, lp_gap = recipe._check_rows(meta)
-        td = m.read_from_dataplane(meta, select_fields=[TOTAL_REWARD, TURN_REWARDS])
+        td = self._correct(meta)
+        actions, lp_gap = action_tokens_and_gap(td)
         turns = recipe.task.turns
         meta.extra_info[RL_STEP] = {
             "loss_norm": max(1, actions // self.rc.minibatches),
@@ -401,23 +411,27 @@ class Disaggregated(Callback):
                 recipe.metrics.run_totals.get("collect_s_total", 0.0) + t1 - t0, 3)}
         return meta
 
-    def _correct(self, meta: KVBatchMeta) -> None:
-        """Multiply each action token's advantage by its truncated IS weight (module docstring)."""
+    def _correct(self, meta: KVBatchMeta) -> Any:
+        """Multiply each action token's advantage by its truncated IS weight (module docstring).
+        Returns the columns it read, with the step's rewards (one read serves the step's checks
+        and metrics too)."""
         m = self.recipe.module
         td = m.read_from_dataplane(meta, select_fields=[
-            TOKEN_MASK, SAMPLE_MASK, GENERATION_LOGPROBS, PREV_LOGPROBS, ADVANTAGES])
+            TOKEN_MASK, SAMPLE_MASK, GENERATION_LOGPROBS, PREV_LOGPROBS, ADVANTAGES, TOTAL_REWARD,
+            TURN_REWARDS])
         mask = td[TOKEN_MASK] * td[SAMPLE_MASK].unsqueeze(1)
         w = truncated_is_weights(td[PREV_LOGPROBS], td[GENERATION_LOGPROBS], mask,
                                  self.rc.is_truncation)
         m.write_to_dataplane(meta, {ADVANTAGES: td[ADVANTAGES] * w})
+        return td
 
     # ------------------------------------------------------------------ Lightning hooks
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         info = pl_module.dp_meta.extra_info[MICROBATCH_INFO]
-        if info["last_in_step"] and self.publisher is not None:
-            self.publisher.publish(pl_module.policy, int(info["step"]) + 1)
+        if info["last_in_step"] and self.writer is not None:
+            self.writer.publish_weights(self.client, pl_module.policy, int(info["step"]) + 1)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -78,6 +78,14 @@ SIGTERM_EXIT = 128 + signal.SIGTERM
 _info_rank_zero = rank_zero_only(log.info)
 
 
+def action_tokens_and_gap(td: Any) -> tuple[int, float]:
+    """``(action tokens, largest |generation_logprobs - prev_logprobs| over them)`` of rows read
+    with their token and sample masks (``RLRecipe._check_rows``)."""
+    mask = (td[TOKEN_MASK] > 0) & (td[SAMPLE_MASK] > 0).unsqueeze(1)
+    gap = ((td[GENERATION_LOGPROBS] - td[PREV_LOGPROBS]).abs() * mask).max()
+    return int(mask.sum()), float(gap)
+
+
 class RLRecipe:
     """PPO (``recipe.algorithm=ppo``: policy + value, GAE) or GRPO (policy only, group baselines)."""
 
@@ -266,11 +274,8 @@ class RLRecipe:
         engine's staged logprobs and the policy's recomputation over the training rows: the
         weights have not changed in between, so anything but ~0 means rows, masks or padding
         are misaligned somewhere between staging and the training partition."""
-        td = self.module.read_from_dataplane(
-            meta, select_fields=[TOKEN_MASK, SAMPLE_MASK, GENERATION_LOGPROBS, PREV_LOGPROBS])
-        mask = (td[TOKEN_MASK] > 0) & (td[SAMPLE_MASK] > 0).unsqueeze(1)
-        gap = ((td[GENERATION_LOGPROBS] - td[PREV_LOGPROBS]).abs() * mask).max()
-        return int(mask.sum()), float(gap)
+        return action_tokens_and_gap(self.module.read_from_dataplane(
+            meta, select_fields=[TOKEN_MASK, SAMPLE_MASK, GENERATION_LOGPROBS, PREV_LOGPROBS]))
 
     def _write_advantages(self, meta: KVBatchMeta) -> None:
         fields = [TOKEN_MASK, SAMPLE_MASK, TOTAL_REWARD, TURN_REWARDS, INPUT_LENGTHS]

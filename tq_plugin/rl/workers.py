@@ -96,35 +96,36 @@ def publish_weights(client: Any, model: torch.nn.Module, version: int, *, keep: 
     put_weights(client, weights_snapshot(model), version, keep=keep)
 
 
-class WeightPublisher:
-    """Publishes the trainer's weights without making it wait for the store.
+class BackgroundWriter:
+    """Store writes the trainer does not wait for, on one background thread, in submission order:
+    weights publishes, ticket puts, clears of rows it has copied or dropped.
 
-    ``publish`` takes the snapshot at once (a copy: the next optimizer step cannot change it)
-    and hands the put, and the clear of the version ``keep`` back, to one background thread, so
-    versions land in order while the trainer goes on with the next step. A publish that failed
-    raises from the next ``publish`` or from ``close``: it is never lost silently.
+    ``publish_weights`` takes the snapshot at once (a copy: the next optimizer step cannot change
+    it). A write that failed raises from the next ``submit`` or from ``close``: it is never lost
+    silently. ``close`` waits for every write in flight.
     """
 
-    def __init__(self, client: Any, *, keep: int = 2) -> None:
-        self.client, self.keep = client, keep
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tq-weights")
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tq-writes")
         self._pending: list[Future] = []
 
     def _reap(self, *, wait: bool) -> None:
-        """Raise the first failure among the publishes that are done (all, with ``wait``)."""
+        """Raise the first failure among the writes that are done (all, with ``wait``)."""
         done = [f for f in self._pending if wait or f.done()]
         self._pending = [f for f in self._pending if f not in done]
         for future in done:
             future.result()
 
-    def publish(self, model: torch.nn.Module, version: int) -> None:
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> None:
         self._reap(wait=False)
-        flat = weights_snapshot(model)
-        self._pending.append(self._pool.submit(put_weights, self.client, flat, version,
-                                               keep=self.keep))
+        self._pending.append(self._pool.submit(fn, *args, **kwargs))
+
+    def publish_weights(self, client: Any, model: torch.nn.Module, version: int, *,
+                        keep: int = 2) -> None:
+        self.submit(put_weights, client, weights_snapshot(model), version, keep=keep)
 
     def close(self) -> None:
-        """Wait for the publishes in flight (raising the first failure) and stop the thread."""
+        """Wait for the writes in flight (raising the first failure) and stop the thread."""
         try:
             self._reap(wait=True)
         finally:
@@ -292,6 +293,6 @@ def worker_main(spec: WorkerSpec, *, stop: StopSignal) -> None:
         client.clear_samples([ticket["id"]], partition)
 
 
-__all__ = ["ROLLOUTS_PARTITION", "SplitClient", "WeightPublisher", "WorkerSpec", "newest_weights",
+__all__ = ["ROLLOUTS_PARTITION", "BackgroundWriter", "SplitClient", "WorkerSpec", "newest_weights",
            "next_ticket", "publish_weights", "put_weights", "tickets_partition", "weights_snapshot",
            "weights_task", "worker_main"]
