@@ -5,7 +5,8 @@ seed and step count, one torch thread per process, run in this process through `
 
 * ``colocated`` on ``tq/backend=local`` (today's default) and on ``tq/backend=ray``;
 * ``disaggregated`` on ``tq/backend=ray`` with ``recipe.rollout_workers`` 1 and 2,
-  ``recipe.max_staleness=1``.
+  ``recipe.max_staleness=1``, weights published after every optimizer step (the default), and
+  with 1 worker also once per RL step (``recipe.weights_every=rl_step``).
 
 Steps/s is measured over steady state: from the first microbatch of step 1 to the end of the
 fit (start-up, Ray and worker start included in neither). Trainer-idle fraction is the share of
@@ -44,6 +45,9 @@ KINDS = {
     "colocated, ray": ["recipe.topology=colocated", "tq/backend=ray"],
     "disaggregated, ray, 1 worker": ["recipe.topology=disaggregated", "tq/backend=ray",
                                      "recipe.rollout_workers=1", "recipe.max_staleness=1"],
+    "disaggregated, ray, 1 worker, weights per RL step": [
+        "recipe.topology=disaggregated", "tq/backend=ray", "recipe.rollout_workers=1",
+        "recipe.max_staleness=1", "recipe.weights_every=rl_step"],
     "disaggregated, ray, 2 workers": ["recipe.topology=disaggregated", "tq/backend=ray",
                                       "recipe.rollout_workers=2", "recipe.max_staleness=1"],
 }

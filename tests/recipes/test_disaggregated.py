@@ -290,6 +290,7 @@ def _compose(*overrides: str):
     (["recipe.topology=async"], "recipe.topology: must be one of"),
     (["recipe.is_truncation=0.5"], "recipe.is_truncation: must be >= 1.0"),
     (["recipe.rollout_workers=0"], "recipe.rollout_workers: must be > 0"),
+    (["recipe.weights_every=epoch"], "recipe.weights_every: must be one of"),
 ])
 def test_disaggregated_config_is_refused_before_anything_starts(tmp_path, overrides, match):
     cfg = _compose(*overrides)
@@ -343,7 +344,13 @@ def _run(tmp_path: Path, *overrides: str, kill: tuple[int, int] | None = None,
 @pytest.mark.timeout(240)
 @pytest.mark.usefixtures("_clean_hydra")
 def test_two_worker_grpo_run(tmp_path, ray_session):
-    _, result, rows, _ = _run(tmp_path, "recipe.rollout_workers=2", "recipe.num_steps=4")
+    recipe, result, rows, _ = _run(tmp_path, "recipe.rollout_workers=2", "recipe.num_steps=4",
+                                   "recipe.ppo_epochs=2")
+    # Weights went out after every optimizer step (2 per RL step), the last as version 4.
+    from tq_plugin.rl.workers import parse_weights_id
+
+    assert [parse_weights_id(i) for i in recipe.disaggregated.publisher.published][-2:] == \
+        [(7, 3), (8, 4)]
     assert result["status"] == "ok" and result["steps"] == 4 and len(rows) == 4
     assert result["topology"] == "disaggregated" and result["workers_lost"] == 0
     assert [int(r["step"]) for r in rows] == [0, 1, 2, 3]
@@ -373,9 +380,16 @@ def test_a_worker_killed_mid_run(tmp_path, ray_session, capfd):
 @pytest.mark.usefixtures("_clean_hydra")
 def test_two_worker_run_on_transferqueue(tmp_path, tq_session):
     address = tq_session.get_runtime_context().gcs_address
-    _, result, rows, _ = _run(tmp_path, "recipe.rollout_workers=2", "recipe.num_steps=3",
-                              backend=("tq/backend=transferqueue", *RAY[1:3],
-                                       f"tq.backend.address={address}"))
+    recipe, result, rows, _ = _run(tmp_path, "recipe.rollout_workers=2", "recipe.num_steps=3",
+                                   "recipe.ppo_epochs=2", "recipe.weights_every=rl_step",
+                                   backend=("tq/backend=transferqueue", *RAY[1:3],
+                                            f"tq.backend.address={address}"))
+    from tq_plugin.rl.workers import parse_weights_id
+
+    # weights_every=rl_step: one publish per RL step (versions 0..3), none after the step's
+    # first optimizer step.
+    assert [parse_weights_id(i) for i in recipe.disaggregated.publisher.published] == \
+        [(2, 2), (3, 3)]
     assert result["status"] == "ok" and result["steps"] == 3 and result["workers_lost"] == 0
     assert [int(r["step"]) for r in rows] == [0, 1, 2]
     assert all(int(r["workers_alive"]) == 2 and int(r["staleness_max"]) <= 1 for r in rows)
@@ -422,28 +436,42 @@ def test_trainer_killed_leaves_no_worker_behind(tmp_path, ray_session):
 
 
 # ---------------------------------------------------------------- weights
-def test_background_writes_land_in_order_and_never_lose_a_failure():
-    from tq_plugin.rl.workers import WEIGHTS_PARTITION, BackgroundWriter, newest_weights, weights_id
+def test_weights_are_published_after_every_optimizer_step_in_order():
+    """Each publish is one row (the newest ``keep`` kept), labelled with its RL-step version; a
+    background publish snapshots the weights at once and a failed one is never lost."""
+    from tq_plugin.rl.workers import (
+        WEIGHTS_PARTITION,
+        BackgroundWriter,
+        WeightPublisher,
+        newest_weights,
+        weights_id,
+    )
 
     client = LocalDataPlane()
     client.register_partition(WEIGHTS_PARTITION, [])
     model = torch.nn.Linear(3, 2)
     writer = BackgroundWriter()
-    for version in range(1, 5):
-        writer.publish_weights(client, model, version, keep=2)
+    publisher = WeightPublisher(client, keep=2, writer=writer)
+    # Step 0 has 3 optimizer steps: labelled 0, 0, then 1 after its last.
+    for version in (0, 0, 1):
+        publisher.publish(model, version)
         with torch.no_grad():
             model.weight.add_(1.0)  # the next optimizer step: must not reach the snapshot
     writer.close()
-    assert newest_weights(client) == 4
-    assert client.list_sample_ids(WEIGHTS_PARTITION) == [weights_id(3), weights_id(4)]
-    got = client.get_samples([weights_id(4)], WEIGHTS_PARTITION, ["weights"])["weights"][0]
+    assert newest_weights(client) == (2, 1)
+    assert client.list_sample_ids(WEIGHTS_PARTITION) == [weights_id(0, 0), weights_id(1, 0),
+                                                         weights_id(2, 1)]
+    got = client.get_samples([weights_id(2, 1)], WEIGHTS_PARTITION, ["weights"])["weights"][0]
     assert float(got[0]) == pytest.approx(float(model.weight.detach()[0, 0]) - 1.0)  # at publish
+    publisher.writer = None
+    publisher.publish(model, 1)  # a 4th row: the oldest 2 are cleared
+    assert client.list_sample_ids(WEIGHTS_PARTITION) == [weights_id(2, 1), weights_id(3, 1)]
 
     class Failing(LocalDataPlane):
         def put_samples(self, *args, **kwargs):
             raise ConnectionError("store gone")
 
     failing = BackgroundWriter()
-    failing.publish_weights(Failing(), model, 1)
+    WeightPublisher(Failing(), writer=failing).publish(model, 1)
     with pytest.raises(ConnectionError, match="store gone"):
         failing.close()  # or the next submit: never silent

@@ -329,11 +329,16 @@ class RecipeConfig:
     # disaggregated: where a worker stages its calls: "local" (its own embedded store; only it
     # reads them back) or "shared" (the run's store). Training rows always go to the shared one.
     worker_staging: str = "local"
+    # disaggregated: when the trainer publishes its weights to the workers: after every
+    # "optimizer_step" (the newest weights reach them soonest) or once per "rl_step" (a
+    # quarter of the transfers with 4 PPO epochs: for models whose refit is costly).
+    weights_every: str = "optimizer_step"
 
     def __post_init__(self) -> None:
         _one_of("recipe.algorithm", self.algorithm, ALGORITHMS)
         _one_of("recipe.topology", self.topology, TOPOLOGIES)
         _one_of("recipe.worker_staging", self.worker_staging, ("local", "shared"))
+        _one_of("recipe.weights_every", self.weights_every, ("optimizer_step", "rl_step"))
         _positive("recipe.rollout_workers", self.rollout_workers)
         _positive("recipe.max_staleness", self.max_staleness, allow_zero=True)
         if self.is_truncation < 1.0:

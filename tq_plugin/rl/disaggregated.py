@@ -16,8 +16,11 @@ writes then stay in the trainer's process). What the trainer does with the rows:
 1. **staleness** (``recipe.max_staleness=S``): a chunk of rows generated with weights of
    version ``v`` trains at step ``s`` only if ``s - v <= S``; a staler chunk is cleared and
    counted (``rows_dropped_stale``), and a replacement is ordered. Versions count RL steps:
-   the trainer publishes version ``s + 1`` (its flat parameters, through the data plane) once
-   step ``s``'s last microbatch has trained; workers load the newest before each ticket.
+   the trainer publishes its flat parameters through the data plane after every optimizer
+   step, as version ``s + 1`` after step ``s``'s last and labelled ``s`` after its earlier ones
+   (``WeightPublisher``: newer than their label, so the bound stays safe;
+   ``recipe.weights_every=rl_step`` publishes after each step's last only); workers load the
+   newest before each ticket.
    Lightning prepares step ``s + 1`` before step ``s``'s last microbatch trains, so generation
    that overlaps training lags by at least one step: ``S >= 1``.
 2. ``prev_logprobs`` (the policy the step starts from), advantages (as colocated), then the
@@ -94,8 +97,8 @@ from tq_plugin.rl.workers import (
     WEIGHTS,
     WEIGHTS_PARTITION,
     BackgroundWriter,
+    WeightPublisher,
     WorkerSpec,
-    publish_weights,
     tickets_partition,
     weights_task,
     worker_main,
@@ -326,6 +329,7 @@ class Disaggregated(Callback):
         self.client: Any = None
         self.collector: ChunkCollector | None = None
         self.writer: BackgroundWriter | None = None
+        self.publisher: WeightPublisher | None = None
 
     def metrics_log(self, base: MetricsLog) -> AsyncMetricsLog:
         return AsyncMetricsLog(base.output_dir, packing=base.packing)
@@ -343,8 +347,9 @@ class Disaggregated(Callback):
             group_size=rc.group_size, workers=rc.rollout_workers, max_staleness=rc.max_staleness,
             procs=self.procs)
         self.collector.register()
-        publish_weights(client, self.recipe.module.policy, 0)  # before any worker starts
-        self.writer = self.collector.writer = BackgroundWriter()
+        self.publisher = WeightPublisher(client)
+        self.publisher.publish(self.recipe.module.policy, 0)  # inline: before any worker starts
+        self.writer = self.collector.writer = self.publisher.writer = BackgroundWriter()
         launcher = launcher_for(client)
         for k in range(rc.rollout_workers):
             spec = WorkerSpec(index=k, client=client, cfg=self.recipe.cfg)
@@ -430,8 +435,13 @@ class Disaggregated(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         info = pl_module.dp_meta.extra_info[MICROBATCH_INFO]
-        if info["last_in_step"] and self.writer is not None:
-            self.writer.publish_weights(self.client, pl_module.policy, int(info["step"]) + 1)
+        if self.publisher is None or not info["last_in_global_batch"]:  # no optimizer step
+            return
+        step = int(info["step"])
+        if info["last_in_step"]:
+            self.publisher.publish(pl_module.policy, step + 1)
+        elif self.rc.weights_every == "optimizer_step":
+            self.publisher.publish(pl_module.policy, step)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -4,7 +4,9 @@ property tests drive it under random worker speeds.
 
 Versions count RL steps: the trainer's version while it prepares and trains step ``s`` is ``s``
 (the policy after ``s`` finished steps); it publishes version ``s + 1`` once step ``s``'s last
-microbatch has trained. A row's staleness is ``trainer_version - row.weight_version``.
+microbatch has trained (and, after each earlier optimizer step of step ``s``, weights labelled
+``s``: newer than that, so a row's counted staleness never undercounts). A row's staleness is
+``trainer_version - row.weight_version``.
 
 * ``TicketLedger``: the trainer's orders to the rollout workers. A ticket asks for ``prompts``
   prompts (``group_size`` rollouts each) aimed at training step ``target``; a worker starts it

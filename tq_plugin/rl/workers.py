@@ -34,6 +34,7 @@ on an error (its traceback goes to stderr and its exit code tells the trainer it
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -61,8 +62,16 @@ def tickets_partition(worker: int) -> str:
     return f"rollout_tickets_w{worker}"
 
 
-def weights_id(version: int) -> str:
-    return f"v{version}"
+def weights_id(publish: int, version: int) -> str:
+    """The weights row of publish number ``publish`` (they count up from 0), labelled with the
+    version its rows are stamped with (see ``WeightPublisher``)."""
+    return f"w{publish}v{version}"
+
+
+def parse_weights_id(sample_id: str) -> tuple[int, int]:
+    """``(publish, version)`` of a :func:`weights_id`."""
+    publish, version = sample_id[1:].split("v")
+    return int(publish), int(version)
 
 
 def weights_task(worker: int) -> str:
@@ -71,10 +80,10 @@ def weights_task(worker: int) -> str:
     return f"weights_w{worker}"
 
 
-def newest_weights(client: Any) -> int | None:
-    """The newest version in the weights partition (None before the first publish)."""
-    versions = [int(i[1:]) for i in client.list_sample_ids(WEIGHTS_PARTITION)]
-    return max(versions) if versions else None
+def newest_weights(client: Any) -> tuple[int, int] | None:
+    """``(publish, version)`` of the newest weights published (None before the first)."""
+    published = [parse_weights_id(i) for i in client.list_sample_ids(WEIGHTS_PARTITION)]
+    return max(published) if published else None
 
 
 def weights_snapshot(model: torch.nn.Module) -> torch.Tensor:
@@ -83,25 +92,53 @@ def weights_snapshot(model: torch.nn.Module) -> torch.Tensor:
     return parameters_to_vector([p.detach() for p in model.parameters()]).float().unsqueeze(0)
 
 
-def put_weights(client: Any, flat: torch.Tensor, version: int, *, keep: int = 2) -> None:
-    """Put a :func:`weights_snapshot` as version ``version``; drop versions older than ``keep``."""
-    client.put_samples([weights_id(version)], WEIGHTS_PARTITION,
+def put_weights(client: Any, flat: torch.Tensor, publish: int, version: int,
+                drop: Sequence[str] = ()) -> None:
+    """Put a :func:`weights_snapshot` as publish ``publish`` labelled ``version``; then clear
+    the ``drop`` rows (publishes too old to keep)."""
+    client.put_samples([weights_id(publish, version)], WEIGHTS_PARTITION,
                        fields={WEIGHTS: flat, WEIGHT_VERSION: torch.tensor([version])})
-    if version >= keep:  # versions are published in order: the one ``keep`` back is the oldest
-        client.clear_samples([weights_id(version - keep)], WEIGHTS_PARTITION)
+    if drop:
+        client.clear_samples(list(drop), WEIGHTS_PARTITION)
 
 
-def publish_weights(client: Any, model: torch.nn.Module, version: int, *, keep: int = 2) -> None:
-    """Put ``model``'s parameters as version ``version``; drop versions older than ``keep``."""
-    put_weights(client, weights_snapshot(model), version, keep=keep)
+class WeightPublisher:
+    """The trainer's side of the weights exchange.
+
+    The trainer publishes after every optimizer step. Versions count RL steps (as NeMo RL's
+    ``max_trajectory_age_steps`` counts training steps): the weights after step ``s``'s last
+    optimizer step are version ``s + 1``; those after one of its earlier optimizer steps are
+    labelled ``s``, the version the step started from. They are newer than that, so a row's
+    staleness as the trainer counts it is never less than its true staleness (the bound stays
+    safe), while the workers always generate with the newest weights there are. Each publish is
+    one row; at least the newest ``keep`` are kept (older ones are cleared ``keep`` at a time).
+    ``writer`` (a ``BackgroundWriter``): put in the background; else inline.
+    """
+
+    def __init__(self, client: Any, *, keep: int = 2, writer: Any = None) -> None:
+        if keep < 1:
+            raise ValueError(f"WeightPublisher: keep must be >= 1, got {keep}")
+        self.client, self.keep, self.writer = client, keep, writer
+        self.published: list[str] = []  # the ids kept, oldest first
+
+    def publish(self, model: torch.nn.Module, version: int) -> None:
+        publish = parse_weights_id(self.published[-1])[0] + 1 if self.published else 0
+        self.published.append(weights_id(publish, version))
+        drop: list[str] = []
+        if len(self.published) >= 2 * self.keep:  # clear in batches: one clear per keep publishes
+            drop, self.published = self.published[:-self.keep], self.published[-self.keep:]
+        args = (self.client, weights_snapshot(model), publish, version, drop)
+        if self.writer is None:
+            put_weights(*args)
+        else:
+            self.writer.submit(put_weights, *args)
 
 
 class BackgroundWriter:
     """Store writes the trainer does not wait for, on one background thread, in submission order:
     weights publishes, ticket puts, clears of rows it has copied or dropped.
 
-    ``publish_weights`` takes the snapshot at once (a copy: the next optimizer step cannot change
-    it). A write that failed raises from the next ``submit`` or from ``close``: it is never lost
+    A write that failed raises from the next ``submit`` or from ``close``: it is never lost
     silently. ``close`` waits for every write in flight.
     """
 
@@ -119,10 +156,6 @@ class BackgroundWriter:
     def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> None:
         self._reap(wait=False)
         self._pending.append(self._pool.submit(fn, *args, **kwargs))
-
-    def publish_weights(self, client: Any, model: torch.nn.Module, version: int, *,
-                        keep: int = 2) -> None:
-        self.submit(put_weights, client, weights_snapshot(model), version, keep=keep)
 
     def close(self) -> None:
         """Wait for the writes in flight (raising the first failure) and stop the thread."""
@@ -205,24 +238,24 @@ def _build(spec: WorkerSpec) -> tuple[Any, Any, Any, Any]:
 
 
 class _Weights:
-    """The worker's copy of the policy and the version it holds."""
+    """The worker's copy of the policy: the publish it loaded and that publish's version."""
 
     def __init__(self, client: Any, policy: torch.nn.Module) -> None:
-        self.client, self.policy, self.version = client, policy, -1
+        self.client, self.policy, self.publish, self.version = client, policy, -1, -1
 
     def load_newest(self) -> int:
-        """Load the newest published version if it is not the one held; the version held."""
+        """Load the newest publish if it is not the one held; the version held."""
         while True:
             newest = newest_weights(self.client)
-            if newest is None or newest == self.version:
+            if newest is None or newest[0] == self.publish:
                 return self.version
             try:
-                td = self.client.get_samples([weights_id(newest)], WEIGHTS_PARTITION, [WEIGHTS])
-            except KeyError:  # replaced by a newer version between the listing and the read
+                td = self.client.get_samples([weights_id(*newest)], WEIGHTS_PARTITION, [WEIGHTS])
+            except KeyError:  # replaced by a newer publish between the listing and the read
                 continue
             vector_to_parameters(td[WEIGHTS][0], self.policy.parameters())
-            self.version = newest
-            return newest
+            self.publish, self.version = newest
+            return self.version
 
 
 def next_ticket(held: list[dict[str, int]], newest: int | None) -> dict[str, int] | None:
@@ -265,7 +298,8 @@ def worker_main(spec: WorkerSpec, *, stop: StopSignal) -> None:
             if stop.is_set():  # the trainer closed the store while we waited
                 return
             raise
-        ticket = next_ticket(held, newest_weights(client))
+        newest = newest_weights(client)
+        ticket = next_ticket(held, None if newest is None else newest[1])
         if ticket is None:  # every held ticket waits for newer weights: wait for a publish
             try:
                 # One row: any new version wakes it at once (TransferQueue's claim returns full
@@ -293,6 +327,6 @@ def worker_main(spec: WorkerSpec, *, stop: StopSignal) -> None:
         client.clear_samples([ticket["id"]], partition)
 
 
-__all__ = ["ROLLOUTS_PARTITION", "BackgroundWriter", "SplitClient", "WorkerSpec", "newest_weights",
-           "next_ticket", "publish_weights", "put_weights", "tickets_partition", "weights_snapshot",
+__all__ = ["ROLLOUTS_PARTITION", "BackgroundWriter", "SplitClient", "WeightPublisher", "WorkerSpec", "newest_weights",
+           "next_ticket", "parse_weights_id", "put_weights", "tickets_partition", "weights_snapshot",
            "weights_task", "worker_main"]
