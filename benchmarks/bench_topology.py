@@ -17,7 +17,7 @@ table shows medians (min-max) over the repeats.
 
 Run: ``.venv/bin/python -m benchmarks.bench_topology [--steps N] [--repeats R] [--recipe grpo]``;
 ``--curves colocated=RUN_DIR disaggregated=RUN_DIR --out docs/topology_reward.png`` plots the
-reward curves of two recipe runs in one figure.
+reward curves of two recipe runs in one figure (``label=DIR1,DIR2,...``: the mean over seeds).
 Target (issue #10): disaggregated with one worker >= 1.4x colocated steps/s on a 2-core box.
 """
 
@@ -102,8 +102,20 @@ def measure(*, recipe: str = "ppo", steps: int = 12, repeats: int = 3, seed: int
     return results
 
 
-def plot_curves(runs: dict[str, Path], out: Path, *, window: int = 10) -> None:
-    """Reward per step of each run (its ``metrics.csv``) and its moving average, in one plot."""
+def _mean_reward(run_dirs: str) -> tuple[list[int], list[float]]:
+    """Steps and reward per step of one run, or the mean over several (``dir1,dir2,...``: seeds
+    of one setting), from their ``metrics.csv``."""
+    per_run = []
+    for run_dir in run_dirs.split(","):
+        with open(Path(run_dir) / "metrics.csv") as f:
+            per_run.append({int(r["step"]): float(r["reward"]) for r in csv.DictReader(f)})
+    steps = sorted(set.intersection(*(set(r) for r in per_run)))
+    return steps, [sum(r[s] for r in per_run) / len(per_run) for s in steps]
+
+
+def plot_curves(runs: dict[str, str], out: Path, *, window: int = 10) -> None:
+    """Reward per step of each run (its ``metrics.csv``; comma-separated dirs: their mean) and
+    its moving average, in one plot."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -111,10 +123,7 @@ def plot_curves(runs: dict[str, Path], out: Path, *, window: int = 10) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for (label, run_dir), color in zip(runs.items(), ["tab:blue", "tab:orange", "tab:green"]):
-        with open(Path(run_dir) / "metrics.csv") as f:
-            rows = list(csv.DictReader(f))
-        steps = [int(r["step"]) for r in rows]
-        reward = [float(r["reward"]) for r in rows]
+        steps, reward = _mean_reward(run_dir)
         smooth = [sum(reward[max(0, i - window + 1):i + 1]) / len(reward[max(0, i - window + 1):i + 1])
                   for i in range(len(reward))]
         ax.plot(steps, reward, color=color, alpha=0.25)
