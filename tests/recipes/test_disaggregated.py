@@ -33,7 +33,7 @@ from lightning.pytorch import Callback
 
 from tq_plugin.data_plane import INPUT_IDS, INPUT_LENGTHS, SAMPLE_MASK, LocalDataPlane
 from tq_plugin.lightning import MICROBATCH_INFO
-from tq_plugin.rl.disaggregated import ChunkCollector
+from tq_plugin.rl.collector import ChunkCollector
 from tq_plugin.rl.recipe import RLRecipe
 from tq_plugin.rl.staleness import TicketLedger, truncated_is_weights
 from tq_plugin.rl.workers import (

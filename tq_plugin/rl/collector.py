@@ -1,0 +1,197 @@
+"""``ChunkCollector``: the disaggregated trainer's side of the exchange with its rollout workers,
+free of Lightning (``tq_plugin.rl.disaggregated`` drives it; the property tests drive it against
+simulated workers of random speeds).
+
+It orders chunks of whole prompt groups from the workers (tickets, ``tq_plugin.rl.staleness``),
+claims the rows they deliver into the shared ``rollouts`` partition (task ``async_ready``),
+books deliveries, watches the workers (a dead one is reported and its undelivered tickets go to
+the others), and assembles each step's rows under the staleness bound, copying each admitted
+chunk into the trainer's own store.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any
+
+import torch
+
+from tq_plugin.data_plane import KVBatchMeta, first_write
+from tq_plugin.rl.staleness import StalenessFilter, Ticket, TicketLedger
+from tq_plugin.rl.workers import (
+    CALLS_TAG,
+    FAILED_TAG,
+    GENERATE_TASK,
+    ROLLOUTS_PARTITION,
+    TICKET_FIELDS,
+    TICKET_TAG,
+    VERSION_TAG,
+    WEIGHT_VERSION,
+    WEIGHTS,
+    WEIGHTS_PARTITION,
+    BackgroundWriter,
+    tickets_partition,
+    weights_task,
+)
+from tq_plugin.staging.reassembler import FINALIZED_FIELDS_TAG
+
+log = logging.getLogger(__name__)
+READY_TASK = "async_ready"
+TURN_REWARDS = "turn_rewards"
+
+
+class ChunkCollector:
+    """The trainer's side of the exchange, without Lightning: orders chunks, books deliveries,
+    watches the workers and assembles each step's rows under the staleness bound.
+
+    ``procs[k]`` is worker ``k``'s process (anything with ``exitcode`` and ``pid``). ``writer``
+    (a ``BackgroundWriter``, set by ``Disaggregated.start``) takes the writes nothing waits for
+    (ticket puts, clears of copied or dropped rows) off the trainer's critical path; without one
+    they run inline. (Claiming and reading chunks on a background thread as well was measured
+    slower: the thread's Ray calls contend with the trainer for the GIL.)
+    """
+
+    def __init__(self, client: Any, local: Any, *, train_partition: str, prompts_per_step: int,
+                 group_size: int, workers: int, max_staleness: int, procs: list[Any]) -> None:
+        self.client = client  # the shared store: tickets, weights, delivered rows
+        self.local = local  # the trainer's own store: the rows of the steps it trains
+        self.train_partition = train_partition
+        self.group_size = group_size
+        self.rows_per_step = prompts_per_step * group_size
+        self.chunk_prompts = prompts_per_step // workers if prompts_per_step % workers == 0 else prompts_per_step
+        self.chunk_rows = self.chunk_prompts * group_size
+        self.ledger = TicketLedger(workers=workers, chunks_per_step=prompts_per_step // self.chunk_prompts,
+                                   max_staleness=max_staleness)
+        self.filter = StalenessFilter(max_staleness)
+        self.buffer: list[KVBatchMeta] = []  # claimed chunks not trained yet, one meta each
+        self.procs = procs
+        self.workers_lost = 0
+        self.waited_s = 0.0
+        self._last_ready = time.perf_counter()
+        self.writer: BackgroundWriter | None = None
+
+    def _write(self, fn: Any, /, *args: Any, **kwargs: Any) -> None:
+        if self.writer is None:
+            fn(*args, **kwargs)
+        else:
+            self.writer.submit(fn, *args, **kwargs)
+
+    def register(self) -> None:
+        """The exchange partitions (before any worker starts)."""
+        self.client.register_partition(
+            WEIGHTS_PARTITION, [WEIGHTS, WEIGHT_VERSION],
+            consumer_tasks=[weights_task(k) for k in range(self.ledger.workers)])
+        self.client.register_partition(ROLLOUTS_PARTITION, [], consumer_tasks=[READY_TASK])
+        for k in range(self.ledger.workers):
+            self.client.register_partition(tickets_partition(k), list(TICKET_FIELDS),
+                                           consumer_tasks=[GENERATE_TASK])
+
+    def send(self, tickets: list[Ticket]) -> None:
+        """One put per worker with tickets."""
+        for worker in sorted({t.worker for t in tickets}):
+            mine = [t for t in tickets if t.worker == worker]
+            self._write(
+                self.client.put_samples, [f"t{t.ticket}" for t in mine], tickets_partition(worker),
+                fields={"ticket": torch.tensor([t.ticket for t in mine]),
+                        "target": torch.tensor([t.target for t in mine]),
+                        "min_version": torch.tensor([t.min_version for t in mine]),
+                        "prompts": torch.full((len(mine),), self.chunk_prompts)})
+
+    def check_workers(self) -> None:
+        """Report each newly dead worker (a ``WorkerHandle`` whose ``exitcode`` is set: it
+        raised, was killed, or its actor died) and reassign its undelivered tickets;
+        ``RuntimeError`` once none is left."""
+        for k, proc in enumerate(self.procs):
+            if k in self.ledger.alive and proc.exitcode is not None:
+                while self.claim(blocking=False):  # book what it delivered before reassigning
+                    pass
+                msg = (f"[tq_plugin] rollout worker {k} (pid {proc.pid}) died with exit code "
+                       f"{proc.exitcode}; ")
+                self.workers_lost += 1
+                try:
+                    reissued = self.ledger.worker_lost(k)
+                except RuntimeError as e:
+                    print(msg + "none left", file=sys.stderr, flush=True)
+                    raise RuntimeError(f"recipe.topology=disaggregated: {e}") from None
+                print(msg + f"continuing on {len(self.ledger.alive)}, {len(reissued)} "
+                      "undelivered tickets reassigned", file=sys.stderr, flush=True)
+                log.error(msg)
+                self.send(reissued)
+
+    def claim(self, *, blocking: bool) -> int:
+        """Claim one ready chunk into the buffer; returns the rows claimed. A chunk's rows
+        become ready together (the worker's one ready-signal put), so a claim of ``chunk_rows``
+        takes one whole chunk (TransferQueue's claim returns full batches only). The time spent
+        blocked adds to ``waited_s``."""
+        t0 = time.perf_counter()
+        try:
+            meta = self.client.claim_meta(ROLLOUTS_PARTITION, READY_TASK, [WEIGHT_VERSION],
+                                          batch_size=self.chunk_rows, blocking=blocking,
+                                          timeout_s=0.5)
+        except TimeoutError:
+            meta = None
+        finally:
+            self.waited_s += time.perf_counter() - t0
+        if meta is None:
+            return 0
+        by_ticket: dict[int, list[int]] = {}
+        for i, tag in enumerate(meta.tags or []):
+            by_ticket.setdefault(int(tag[TICKET_TAG]), []).append(i)
+        for ticket, rows in by_ticket.items():
+            if len(rows) != self.chunk_rows:
+                raise RuntimeError(f"ticket {ticket}: claimed {len(rows)} rows, expected "
+                                   f"{self.chunk_rows} (whole groups)")
+            self.ledger.delivered(ticket)
+            self.buffer.append(meta.subset(rows))
+        self.buffer.sort(key=lambda m: m.tags[0][VERSION_TAG])  # oldest first: least dropped
+        return meta.size
+
+    def _take(self, chunk: KVBatchMeta) -> KVBatchMeta:
+        """Copy a delivered chunk into the trainer's store (one read, one put), then clear it
+        from the shared one; the meta of the trainer's copy."""
+        tag = chunk.tags[0]
+        fields = [*str(tag[FINALIZED_FIELDS_TAG]).split(","), TURN_REWARDS]
+        td = self.client.get_samples(chunk.sample_ids, ROLLOUTS_PARTITION, fields)
+        local = first_write(dict(td.items()), sample_ids=chunk.sample_ids, client=self.local,
+                            partition_id=self.train_partition, tags=chunk.tags)
+        self._write(self.client.clear_samples, chunk.sample_ids, ROLLOUTS_PARTITION)
+        return local
+
+    def collect(self, step: int) -> tuple[list[KVBatchMeta], dict[str, Any]]:
+        """This step's chunks (``rows_per_step`` rows, whole groups) and their figures."""
+        self.send(self.ledger.issue(step))
+        chunks: list[KVBatchMeta] = []
+        have = dropped = calls = failed = 0
+        self.waited_s = 0.0
+        while True:
+            while self.buffer and have < self.rows_per_step:
+                chunk = self.buffer.pop(0)
+                tag = chunk.tags[0]
+                calls += int(tag[CALLS_TAG])
+                if not self.filter.admits(step, int(tag[VERSION_TAG]), chunk.size):
+                    self._write(self.client.clear_samples, chunk.sample_ids, ROLLOUTS_PARTITION)
+                    dropped += chunk.size
+                    self.send(self.ledger.replace(step, 1))
+                    continue
+                failed += int(tag[FAILED_TAG])
+                chunks.append(self._take(chunk))
+                have += chunk.size
+            if have >= self.rows_per_step:
+                break
+            self.check_workers()
+            self.claim(blocking=True)
+        lags = [step - int(c.tags[0][VERSION_TAG]) for c in chunks for _ in range(c.size)]
+        now = time.perf_counter()
+        figures = {
+            "staleness_max": max(lags), "staleness_mean": round(sum(lags) / len(lags), 4),
+            "rows_dropped_stale": dropped, "trainer_wait_s": round(self.waited_s, 4),
+            "rollout_calls_per_s": round(calls / max(now - self._last_ready, 1e-9), 2),
+            "workers_alive": len(self.ledger.alive), "failed_calls": failed,
+        }
+        self._last_ready = now
+        return chunks, figures
+
+
+__all__ = ["READY_TASK", "TURN_REWARDS", "ChunkCollector"]
