@@ -84,6 +84,7 @@ from tq_plugin.lightning import MICROBATCH_INFO
 from tq_plugin.rl.collector import TURN_REWARDS, ChunkCollector
 from tq_plugin.rl.metrics import MetricsLog, _Step
 from tq_plugin.rl.staleness import truncated_is_weights
+from tq_plugin.rl.step_callbacks import RL_STEP
 from tq_plugin.rl.workers import (
     BackgroundWriter,
     WeightPublisher,
@@ -215,7 +216,7 @@ class Disaggregated(Callback):
     def prepare_step(self, step: int) -> KVBatchMeta:
         """The step source under the disaggregated topology (see the module docstring); under
         DDP it runs on rank 0 only."""
-        from tq_plugin.rl.recipe import RL_STEP, action_tokens_and_gap
+        from tq_plugin.rl.recipe import action_tokens_and_gap
 
         recipe, m = self.recipe, self.recipe.module
         if self.client is None:
