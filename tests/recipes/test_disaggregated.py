@@ -475,3 +475,31 @@ def test_weights_are_published_after_every_optimizer_step_in_order():
     WeightPublisher(Failing(), writer=failing).publish(model, 1)
     with pytest.raises(ConnectionError, match="store gone"):
         failing.close()  # or the next submit: never silent
+
+
+def test_a_waiting_worker_skips_publishes_older_than_the_version_it_needs():
+    """Mid-step publishes carry the label of the step they started from: a worker whose tickets
+    need the next version reads the label off each claimed id and keeps waiting, and returns
+    once the version it needs lands (or after its ~0.5 s bound, to re-check its tickets)."""
+    import threading
+
+    from tq_plugin.rl.workers import (
+        WEIGHTS_PARTITION,
+        WeightPublisher,
+        _wait_for_version,
+        weights_task,
+    )
+
+    client = LocalDataPlane()
+    client.register_partition(WEIGHTS_PARTITION, [], consumer_tasks=[weights_task(0)])
+    publisher = WeightPublisher(client, keep=8)
+    model = torch.nn.Linear(2, 2)
+    for version in (0, 0, 0):
+        publisher.publish(model, version)
+    stop = threading.Event()
+    _wait_for_version(client, 0, 1, stop)  # only version-0 publishes: waits past them, times out
+    assert client.check_consumption_status(WEIGHTS_PARTITION, [weights_task(0)])
+    publisher.publish(model, 0)
+    publisher.publish(model, 1)
+    _wait_for_version(client, 0, 1, stop)  # returns at the version-1 publish
+    assert client.check_consumption_status(WEIGHTS_PARTITION, [weights_task(0)])

@@ -280,6 +280,24 @@ def _claim_tickets(client: Any, partition: str, *, blocking: bool) -> list[dict[
         held.append({f: int(order[f][0]) for f in TICKET_FIELDS} | {"id": meta.sample_ids[0]})
 
 
+def _wait_for_version(client: Any, worker: int, version: int, stop: StopSignal) -> None:
+    """Block until weights of ``version`` or newer are published, at most ~0.5 s (the bound
+    on how late a reassigned ticket or the stop signal is noticed).
+
+    Each publish wakes the claim once (one row: TransferQueue's claim returns full batches
+    only); a publish labelled older than ``version`` (one after a mid-step optimizer step) is
+    read off the claimed id and waited past, without the ticket and listing round trips the
+    caller's loop would make."""
+    while not stop.is_set():
+        try:
+            meta = client.claim_meta(WEIGHTS_PARTITION, weights_task(worker), [WEIGHT_VERSION],
+                                     batch_size=1, blocking=True, timeout_s=0.5)
+        except TimeoutError:
+            return
+        if not meta.size or max(parse_weights_id(i)[1] for i in meta.sample_ids) >= version:
+            return
+
+
 def worker_main(spec: WorkerSpec, *, stop: StopSignal) -> None:
     """A worker process's loop: claim tickets, pick a runnable one, generate with the newest
     weights, deliver; returns once ``stop`` is set (its launcher calls it so)."""
@@ -301,14 +319,7 @@ def worker_main(spec: WorkerSpec, *, stop: StopSignal) -> None:
         newest = newest_weights(client)
         ticket = next_ticket(held, None if newest is None else newest[1])
         if ticket is None:  # every held ticket waits for newer weights: wait for a publish
-            try:
-                # One row: any new version wakes it at once (TransferQueue's claim returns full
-                # batches only); the timeout only bounds how late a reassigned ticket or the stop
-                # signal is noticed, and a short one would poll the store ~60 times a second.
-                client.claim_meta(WEIGHTS_PARTITION, weights_task(spec.index), [WEIGHT_VERSION],
-                                  batch_size=1, blocking=True, timeout_s=0.5)
-            except TimeoutError:
-                pass
+            _wait_for_version(client, spec.index, min(t["min_version"] for t in held), stop)
             continue
         held.remove(ticket)
         version = weights.load_newest()
