@@ -442,6 +442,7 @@ def test_weights_are_published_after_every_optimizer_step_in_order():
     from tq_plugin.rl.workers import (
         WEIGHTS_PARTITION,
         BackgroundWriter,
+        InlineWriter,
         WeightPublisher,
         newest_weights,
         weights_id,
@@ -463,7 +464,7 @@ def test_weights_are_published_after_every_optimizer_step_in_order():
                                                          weights_id(2, 1)]
     got = client.get_samples([weights_id(2, 1)], WEIGHTS_PARTITION, ["weights"])["weights"][0]
     assert float(got[0]) == pytest.approx(float(model.weight.detach()[0, 0]) - 1.0)  # at publish
-    publisher.writer = None
+    publisher.writer = InlineWriter()
     publisher.publish(model, 1)  # a 4th row: the oldest 2 are cleared
     assert client.list_sample_ids(WEIGHTS_PARTITION) == [weights_id(2, 1), weights_id(3, 1)]
 

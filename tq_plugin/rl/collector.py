@@ -27,11 +27,12 @@ from tq_plugin.rl.workers import (
     ROLLOUTS_PARTITION,
     TICKET_FIELDS,
     TICKET_TAG,
+    TURN_REWARDS,
     VERSION_TAG,
     WEIGHT_VERSION,
     WEIGHTS,
     WEIGHTS_PARTITION,
-    BackgroundWriter,
+    InlineWriter,
     tickets_partition,
     weights_task,
 )
@@ -39,7 +40,6 @@ from tq_plugin.staging.reassembler import FINALIZED_FIELDS_TAG
 
 log = logging.getLogger(__name__)
 READY_TASK = "async_ready"
-TURN_REWARDS = "turn_rewards"
 
 
 class ChunkCollector:
@@ -47,9 +47,9 @@ class ChunkCollector:
     watches the workers and assembles each step's rows under the staleness bound.
 
     ``procs[k]`` is worker ``k``'s process (anything with ``exitcode`` and ``pid``). ``writer``
-    (a ``BackgroundWriter``, set by ``Disaggregated.start``) takes the writes nothing waits for
-    (ticket puts, clears of copied or dropped rows) off the trainer's critical path; without one
-    they run inline. (Claiming and reading chunks on a background thread as well was measured
+    runs the writes nothing waits for (ticket puts, clears of copied or dropped rows): inline by
+    default; ``Disaggregated.start`` sets a ``BackgroundWriter``, off the trainer's critical
+    path. (Claiming and reading chunks on a background thread as well was measured
     slower: the thread's Ray calls contend with the trainer for the GIL.)
     """
 
@@ -70,13 +70,7 @@ class ChunkCollector:
         self.workers_lost = 0
         self.waited_s = 0.0
         self._last_ready = time.perf_counter()
-        self.writer: BackgroundWriter | None = None
-
-    def _write(self, fn: Any, /, *args: Any, **kwargs: Any) -> None:
-        if self.writer is None:
-            fn(*args, **kwargs)
-        else:
-            self.writer.submit(fn, *args, **kwargs)
+        self.writer: Any = InlineWriter()
 
     def register(self) -> None:
         """The exchange partitions (before any worker starts)."""
@@ -92,7 +86,7 @@ class ChunkCollector:
         """One put per worker with tickets."""
         for worker in sorted({t.worker for t in tickets}):
             mine = [t for t in tickets if t.worker == worker]
-            self._write(
+            self.writer.submit(
                 self.client.put_samples, [f"t{t.ticket}" for t in mine], tickets_partition(worker),
                 fields={"ticket": torch.tensor([t.ticket for t in mine]),
                         "target": torch.tensor([t.target for t in mine]),
@@ -156,7 +150,7 @@ class ChunkCollector:
         td = self.client.get_samples(chunk.sample_ids, ROLLOUTS_PARTITION, fields)
         local = first_write(dict(td.items()), sample_ids=chunk.sample_ids, client=self.local,
                             partition_id=self.train_partition, tags=chunk.tags)
-        self._write(self.client.clear_samples, chunk.sample_ids, ROLLOUTS_PARTITION)
+        self.writer.submit(self.client.clear_samples, chunk.sample_ids, ROLLOUTS_PARTITION)
         return local
 
     def collect(self, step: int) -> tuple[list[KVBatchMeta], dict[str, Any]]:
@@ -171,7 +165,7 @@ class ChunkCollector:
                 tag = chunk.tags[0]
                 calls += int(tag[CALLS_TAG])
                 if not self.filter.admits(step, int(tag[VERSION_TAG]), chunk.size):
-                    self._write(self.client.clear_samples, chunk.sample_ids, ROLLOUTS_PARTITION)
+                    self.writer.submit(self.client.clear_samples, chunk.sample_ids, ROLLOUTS_PARTITION)
                     dropped += chunk.size
                     self.send(self.ledger.replace(step, 1))
                     continue
@@ -194,4 +188,4 @@ class ChunkCollector:
         return chunks, figures
 
 
-__all__ = ["READY_TASK", "TURN_REWARDS", "ChunkCollector"]
+__all__ = ["READY_TASK", "ChunkCollector"]

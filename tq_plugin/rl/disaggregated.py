@@ -81,11 +81,12 @@ from tq_plugin.data_plane import (
 )
 from tq_plugin.data_plane.processes import launcher_for
 from tq_plugin.lightning import MICROBATCH_INFO
-from tq_plugin.rl.collector import TURN_REWARDS, ChunkCollector
+from tq_plugin.rl.collector import ChunkCollector
 from tq_plugin.rl.metrics import MetricsLog, _Step
 from tq_plugin.rl.staleness import truncated_is_weights
 from tq_plugin.rl.step_callbacks import RL_STEP
 from tq_plugin.rl.workers import (
+    TURN_REWARDS,
     BackgroundWriter,
     WeightPublisher,
     WorkerSpec,

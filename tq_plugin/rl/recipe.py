@@ -66,10 +66,10 @@ from tq_plugin.rl.rollout import RolloutWorker
 from tq_plugin.rl.step_callbacks import RL_STEP, RLStepCallback, SigtermStop
 from tq_plugin.rl.task import IMG, PAD
 from tq_plugin.rl.weights import save_final_weights
+from tq_plugin.rl.workers import TURN_REWARDS
 from tq_plugin.staging import RolloutReassembler
 
 log = logging.getLogger(__name__)
-TURN_REWARDS = "turn_rewards"
 SIGTERM_EXIT = 128 + signal.SIGTERM
 
 

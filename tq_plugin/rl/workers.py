@@ -52,6 +52,8 @@ WEIGHTS_PARTITION = "policy_weights"
 ROLLOUTS_PARTITION = "rollouts"
 WEIGHTS = "weights"
 WEIGHT_VERSION = "weight_version"
+# Per-turn rewards of a training row (a fraction of the task's turns), written next to the rows.
+TURN_REWARDS = "turn_rewards"
 TICKET_FIELDS = ("ticket", "target", "min_version", "prompts")
 GENERATE_TASK = "generate"
 # Tags on each training row the worker delivers (the trainer reads them from its claim).
@@ -112,26 +114,36 @@ class WeightPublisher:
     staleness as the trainer counts it is never less than its true staleness (the bound stays
     safe), while the workers always generate with the newest weights there are. Each publish is
     one row; at least the newest ``keep`` are kept (older ones are cleared ``keep`` at a time).
-    ``writer`` (a ``BackgroundWriter``): put in the background; else inline.
+    ``writer``: where the puts run (a ``BackgroundWriter``: off the trainer's thread).
     """
 
     def __init__(self, client: Any, *, keep: int = 2, writer: Any = None) -> None:
         if keep < 1:
             raise ValueError(f"WeightPublisher: keep must be >= 1, got {keep}")
-        self.client, self.keep, self.writer = client, keep, writer
+        self.client, self.keep = client, keep
+        self.writer = writer or InlineWriter()
+        self.count = 0  # publishes so far: the next one's number
         self.published: list[str] = []  # the ids kept, oldest first
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
-        publish = parse_weights_id(self.published[-1])[0] + 1 if self.published else 0
+        publish, self.count = self.count, self.count + 1
         self.published.append(weights_id(publish, version))
         drop: list[str] = []
         if len(self.published) >= 2 * self.keep:  # clear in batches: one clear per keep publishes
             drop, self.published = self.published[:-self.keep], self.published[-self.keep:]
-        args = (self.client, weights_snapshot(model), publish, version, drop)
-        if self.writer is None:
-            put_weights(*args)
-        else:
-            self.writer.submit(put_weights, *args)
+        self.writer.submit(put_weights, self.client, weights_snapshot(model), publish, version,
+                           drop)
+
+
+class InlineWriter:
+    """``BackgroundWriter``'s interface, writing on the caller's thread (its failures raise
+    at once)."""
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> None:
+        fn(*args, **kwargs)
+
+    def close(self) -> None:
+        pass
 
 
 class BackgroundWriter:
@@ -243,15 +255,16 @@ class _Weights:
     def __init__(self, client: Any, policy: torch.nn.Module) -> None:
         self.client, self.policy, self.publish, self.version = client, policy, -1, -1
 
-    def load_newest(self) -> int:
-        """Load the newest publish if it is not the one held; the version held."""
+    def load_newest(self, newest: tuple[int, int] | None) -> int:
+        """Load ``newest`` (``newest_weights``, just listed) if it is not the publish held, or a
+        newer one if it was cleared meanwhile; the version held."""
         while True:
-            newest = newest_weights(self.client)
             if newest is None or newest[0] == self.publish:
                 return self.version
             try:
                 td = self.client.get_samples([weights_id(*newest)], WEIGHTS_PARTITION, [WEIGHTS])
             except KeyError:  # replaced by a newer publish between the listing and the read
+                newest = newest_weights(self.client)
                 continue
             vector_to_parameters(td[WEIGHTS][0], self.policy.parameters())
             self.publish, self.version = newest
@@ -322,7 +335,7 @@ def worker_main(spec: WorkerSpec, *, stop: StopSignal) -> None:
             _wait_for_version(client, spec.index, min(t["min_version"] for t in held), stop)
             continue
         held.remove(ticket)
-        version = weights.load_newest()
+        version = weights.load_newest(newest)
         generator = torch.Generator().manual_seed(rc.seed * 1_000_003 + 7919 * ticket["ticket"] + 1)
         batch = rollout.run(policy, step=ticket["ticket"], prompts=ticket["prompts"],
                             group_size=rc.group_size, generator=generator, weight_version=version)
@@ -332,12 +345,13 @@ def worker_main(spec: WorkerSpec, *, stop: StopSignal) -> None:
                FAILED_TAG: batch.failed_calls, "target": ticket["target"], "worker": spec.index}
         client.put_samples(
             rows.sample_ids, ROLLOUTS_PARTITION,
-            fields={"turn_rewards": batch.turn_scores / task.turns,
+            fields={TURN_REWARDS: batch.turn_scores / task.turns,
                     WEIGHT_VERSION: torch.full((n,), version, dtype=torch.int64)},
             tags=[tag] * n)
         client.clear_samples([ticket["id"]], partition)
 
 
-__all__ = ["ROLLOUTS_PARTITION", "BackgroundWriter", "SplitClient", "WeightPublisher", "WorkerSpec", "newest_weights",
+__all__ = ["ROLLOUTS_PARTITION", "TURN_REWARDS", "BackgroundWriter", "InlineWriter", "SplitClient",
+           "WeightPublisher", "WorkerSpec", "newest_weights",
            "next_ticket", "parse_weights_id", "put_weights", "tickets_partition", "weights_snapshot",
            "weights_task", "worker_main"]

@@ -67,8 +67,12 @@ class RayActorHandle:
 
     @property
     def exitcode(self) -> int | None:
+        return self._poll(timeout_s=0.0)
+
+    def _poll(self, timeout_s: float) -> int | None:
+        """The exit code once ``run`` has ended, waiting up to ``timeout_s`` for it."""
         if self._exitcode is None:
-            ready, _ = ray.wait([self._run_ref], timeout=0)
+            ready, _ = ray.wait([self._run_ref], timeout=timeout_s)
             if ready:
                 self._exitcode = self._outcome()
         return self._exitcode
@@ -96,13 +100,10 @@ class RayActorHandle:
         if self._killed:
             return
         self.request_stop()
-        ray.wait([self._run_ref], timeout=max(0.0, timeout_s))
-        self.exitcode  # noqa: B018  (read before the kill: a clean return stays 0)
+        self._poll(timeout_s=max(0.0, timeout_s))  # before the kill: a clean return stays 0
         self._killed = True
         ray.kill(self._actor)
-        if self._exitcode is None:  # it was killed running: wait for Ray to say so
-            ray.wait([self._run_ref], timeout=10.0)
-            self.exitcode  # noqa: B018
+        self._poll(timeout_s=10.0)  # killed while running: wait for Ray to say so
 
     def __repr__(self) -> str:
         return f"RayActorHandle(name={self.name!r}, exitcode={self._exitcode})"
