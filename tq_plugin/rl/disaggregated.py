@@ -83,6 +83,7 @@ from tq_plugin.data_plane.processes import launcher_for
 from tq_plugin.lightning import MICROBATCH_INFO
 from tq_plugin.rl.collector import ChunkCollector
 from tq_plugin.rl.metrics import MetricsLog, _Step
+from tq_plugin.rl.ranks import shares_rows
 from tq_plugin.rl.staleness import truncated_is_weights
 from tq_plugin.rl.step_callbacks import RL_STEP
 from tq_plugin.rl.workers import (
@@ -138,7 +139,7 @@ def check_disaggregated(cfg: Any) -> None:
             f"recipe.max_staleness={rc.max_staleness}: topology=disaggregated needs >= 1 (rows "
             "generated while the trainer trains lag it by one step; colocated is on-policy)")
     backend = cfg.tq.backend
-    if getattr(get_class(backend._target_), "shared", False) is not True:  # a class attribute
+    if not shares_rows(get_class(backend._target_)):
         raise ValueError(
             f"recipe.topology=disaggregated needs a store shared across processes: use "
             f"tq/backend=ray or tq/backend=transferqueue (tq.backend._target_="
