@@ -21,7 +21,8 @@ from tq_plugin.lightning.module import MICROBATCH_INFO
 from tq_plugin.rl.metrics import MetricsLog
 
 RL_KEYS = ("rl/loss", "rl/clipfrac", "rl/approx_kl", "rl/value_loss", "rl/entropy", "rl/reward",
-           "rl/tokens_per_s")
+           "rl/tokens_per_s", "rl/is_ratio_mean", "rl/is_ratio_max", "rl/is_masked_fraction",
+           "rl/gen_logprob_abs_diff")
 
 
 @pytest.fixture(autouse=True)
@@ -84,3 +85,8 @@ def test_short_run_logs_rl_metrics_to_lightning_and_clipfrac_stays_a_fraction(
     # The first epoch of a step trains on unchanged weights: ratio 1, nothing clipped.
     assert float(logged[0]["rl/clipfrac"]) == 0.0
     assert float(logged[0]["rl/approx_kl"]) == pytest.approx(0.0, abs=1e-6)
+    # Colocated, the engine is the trained policy: no mismatch, nothing masked.
+    for r in logged:
+        assert float(r["rl/gen_logprob_abs_diff"]) < 1e-4
+        assert float(r["rl/is_ratio_mean"]) == pytest.approx(1.0, abs=1e-4)
+        assert float(r["rl/is_masked_fraction"]) == 0.0

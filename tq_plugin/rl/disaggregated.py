@@ -24,12 +24,13 @@ writes then stay in the trainer's process). What the trainer does with the rows:
    Lightning prepares step ``s + 1`` before step ``s``'s last microbatch trains, so generation
    that overlaps training lags by at least one step: ``S >= 1``.
 2. ``prev_logprobs`` (the policy the step starts from), advantages (as colocated), then the
-   **importance-sampling correction**: each action token's advantage is multiplied by
-   ``w = min(exp(prev_logprobs - generation_logprobs), recipe.is_truncation)``. The weight is
-   positive, so this multiplies the token's clipped policy-gradient term by ``w``
-   (``min(r A w, clip(r) A w) = w min(r A, clip(r) A)``): tokens the staler engine made likelier
-   than the trainer's policy would are down-weighted, the rest count up to the cap. On fresh
-   rows ``w`` is 1 (the logprob gap of a colocated run is ~0). The default cap is 1.0 (never
+   **importance-sampling correction** in the policy loss (``RLModule``, ``recipe.is_correction``;
+   by default ``token_tis``): each action token's clipped policy-gradient term is multiplied by
+   ``w = min(exp(prev_logprobs - generation_logprobs), cap)`` (``cap``: ``is_correction.cap``,
+   else ``recipe.is_truncation``), or masked (``seq_mask_tis``, ``icepop``). The weight is
+   positive (``min(r A w, clip(r) A w) = w min(r A, clip(r) A)``): tokens the staler engine
+   made likelier than the trainer's policy would are down-weighted, the rest count up to the
+   cap. On fresh rows ``w`` is 1 (the logprob gap of a colocated run is ~0). The default cap is 1.0 (never
    up-weight, as V-trace's rho-bar): on the GRPO pattern task (2 workers, ``max_staleness=1``,
    seed 0, 120 steps) a cap of 2.0 learned at half the colocated pace and fell back after ~90
    steps (last-20-step reward 0.19 against 0.47 colocated), a cap of 1.0 matched colocated.
@@ -71,7 +72,6 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from tq_plugin.data_plane import (
-    ADVANTAGES,
     GENERATION_LOGPROBS,
     PREV_LOGPROBS,
     SAMPLE_MASK,
@@ -84,7 +84,6 @@ from tq_plugin.lightning import MICROBATCH_INFO
 from tq_plugin.rl.collector import ChunkCollector
 from tq_plugin.rl.metrics import MetricsLog, _Step
 from tq_plugin.rl.ranks import shares_rows
-from tq_plugin.rl.staleness import truncated_is_weights
 from tq_plugin.rl.step_callbacks import RL_STEP
 from tq_plugin.rl.workers import (
     TURN_REWARDS,
@@ -252,18 +251,10 @@ class Disaggregated(Callback):
         return meta
 
     def _correct(self, meta: KVBatchMeta) -> Any:
-        """Multiply each action token's advantage by its truncated IS weight (module docstring).
-        Returns the columns it read, with the step's rewards (one read serves the step's checks
-        and metrics too)."""
-        m = self.recipe.module
-        td = m.read_from_dataplane(meta, select_fields=[
-            TOKEN_MASK, SAMPLE_MASK, GENERATION_LOGPROBS, PREV_LOGPROBS, ADVANTAGES, TOTAL_REWARD,
-            TURN_REWARDS])
-        mask = td[TOKEN_MASK] * td[SAMPLE_MASK].unsqueeze(1)
-        w = truncated_is_weights(td[PREV_LOGPROBS], td[GENERATION_LOGPROBS], mask,
-                                 self.rc.is_truncation)
-        m.write_to_dataplane(meta, {ADVANTAGES: td[ADVANTAGES] * w})
-        return td
+        """The columns the step's checks and metrics need, with its rewards, in one read. The
+        IS correction itself is the policy loss's (``RLModule``, module docstring)."""
+        return self.recipe.module.read_from_dataplane(meta, select_fields=[
+            TOKEN_MASK, SAMPLE_MASK, GENERATION_LOGPROBS, PREV_LOGPROBS, TOTAL_REWARD, TURN_REWARDS])
 
     # ------------------------------------------------------------------ Lightning hooks
     @override

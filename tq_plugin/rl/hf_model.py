@@ -38,7 +38,7 @@ _DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "attn_pdrop", "resid_pdr
 
 
 def _config(model_type: str, *, vocab_size: int, d_model: int, n_layers: int, n_heads: int,
-            max_seq_len: int, dropout: float) -> Any:
+            max_seq_len: int, dropout: float, head_dim: int | None = None) -> Any:
     try:
         cfg = transformers.AutoConfig.for_model(model_type)
     except ValueError as exc:
@@ -47,6 +47,10 @@ def _config(model_type: str, *, vocab_size: int, d_model: int, n_layers: int, n_
                 "num_attention_heads": n_heads, "max_position_embeddings": max_seq_len})
     if hasattr(cfg, "num_key_value_heads"):
         cfg.num_key_value_heads = n_heads
+    # Configs with their own head_dim default (llama: 128) would otherwise project d_model to
+    # n_heads * 128 whatever d_model is: one head is d_model / n_heads wide unless asked.
+    if hasattr(cfg, "head_dim"):
+        cfg.head_dim = head_dim if head_dim is not None else d_model // n_heads
     if hasattr(cfg, "intermediate_size"):
         cfg.intermediate_size = 4 * d_model
     # Several configs default to 0.1 dropout: the recipe's ratio of new to old logprobs must be 1
@@ -82,6 +86,7 @@ class HFCausalLM(nn.Module):
         n_heads: int = 4,
         max_seq_len: int = 64,
         dropout: float = 0.0,
+        head_dim: int | None = None,
         value_head: bool = False,
         image_token_id: int | None = None,
         patch_dim: int | None = None,
@@ -111,7 +116,8 @@ class HFCausalLM(nn.Module):
                 attn_implementation=attn_implementation)
         else:
             cfg = _config(model_type, vocab_size=vocab_size, d_model=d_model, n_layers=n_layers,
-                          n_heads=n_heads, max_seq_len=max_seq_len, dropout=dropout)
+                          n_heads=n_heads, max_seq_len=max_seq_len, dropout=dropout,
+                          head_dim=head_dim)
             cfg._attn_implementation = attn_implementation
             self.backbone = auto.from_config(cfg, dtype=torch.float32)
         hidden = cfg.hidden_size

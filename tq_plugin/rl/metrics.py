@@ -51,9 +51,36 @@ SUMMED_STATS = ("loss", "value_loss", "clipped_tokens", "action_tokens", "kl_sum
                 "entropy_sum", "real_tokens", "padded_tokens", "seconds")
 
 
+# The importance-sampling sums of a microbatch (``recipe.is_correction``), logged per optimizer
+# step as ``rl/is_*`` and ``rl/gen_logprob_abs_diff``; ``is_ratio_max`` combines by max.
+IS_SUMMED_STATS = ("is_ratio_sum", "is_masked_tokens", "gen_lp_abs_diff_sum")
+IS_MAX_STATS = ("is_ratio_max",)
+
+
 def add_stats(acc: dict[str, float], stats: Mapping[str, float]) -> None:
     for key in SUMMED_STATS:
         acc[key] = acc.get(key, 0.0) + float(stats.get(key, 0.0))
+
+
+def add_is_stats(acc: dict[str, float], stats: Mapping[str, float]) -> None:
+    for key in IS_SUMMED_STATS:
+        acc[key] = acc.get(key, 0.0) + float(stats.get(key, 0.0))
+    for key in IS_MAX_STATS:
+        if key in stats:
+            acc[key] = max(acc.get(key, float("-inf")), float(stats[key]))
+
+
+def is_metrics(acc: Mapping[str, float]) -> dict[str, float]:
+    """Per action token of summed microbatch stats: the mean and largest raw ratio
+    ``pi_old / pi_gen`` (before any cap or mask), the fraction of action tokens the correction
+    masked out, and the mean ``|log pi_gen - log pi_old|``."""
+    actions = max(acc.get("action_tokens", 0.0), 1.0)
+    return {
+        "is_ratio_mean": acc.get("is_ratio_sum", 0.0) / actions,
+        "is_ratio_max": acc.get("is_ratio_max", 1.0),
+        "is_masked_fraction": acc.get("is_masked_tokens", 0.0) / actions,
+        "gen_logprob_abs_diff": acc.get("gen_lp_abs_diff_sum", 0.0) / actions,
+    }
 
 
 def rl_metrics(acc: Mapping[str, float], global_batches: int) -> dict[str, float]:
@@ -61,8 +88,9 @@ def rl_metrics(acc: Mapping[str, float], global_batches: int) -> dict[str, float
 
     A microbatch's ``loss`` is already divided by its global batch's normalizer, so the sum over
     a global batch is that batch's loss under every packing mode. ``clipfrac``, ``approx_kl``
-    and ``entropy`` are per action token: clipped tokens over action tokens is a fraction, in
-    [0, 1] by construction.
+    and ``entropy`` are per action token: clipped tokens (those whose ratio the clamp to
+    ``[1 - clip_eps, 1 + clip_eps]`` changed) over action tokens is a fraction, in [0, 1] by
+    construction.
     """
     n = max(int(global_batches), 1)
     actions = max(acc.get("action_tokens", 0.0), 1.0)

@@ -10,6 +10,15 @@ every microbatch's loss is a token *sum* divided by the global batch's action-to
 ``MetaBatchMixin`` accumulates gradients over the global batch's microbatches (automatic
 optimization, one optimizer step per global batch). The update is therefore the same whatever
 the packing; only its cost changes.
+
+The loss of one action token with ratio ``r = pi / pi_old`` and advantage ``A`` is
+``-w * min(r A, clip(r, 1 - clip_eps, 1 + clip_eps) A)`` (plus, for PPO, ``vf_coef`` times the
+clipped value loss ``0.5 * max((V - R)^2, (V_old + clip(V - V_old, ±value_clip_eps) - R)^2)``,
+minus ``entropy_coef`` times the entropy). ``w`` is the importance-sampling correction
+(``recipe.is_correction``, :func:`tq_plugin.rl.staleness.is_correction_weights`) of tokens
+another policy generated; it applies to disaggregated runs (``correct_is``), where the workers'
+weights lag the trainer's, and is 1 elsewhere. ``clipfrac`` counts the action tokens whose ratio
+the clamp changed (``clip(r) != r``), ``approx_kl`` is the mean of ``r - 1 - log r``.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import torch
 from tq_plugin.config import PackingConfig, RecipeConfig
 from tq_plugin.data_plane import (
     ADVANTAGES,
+    GENERATION_LOGPROBS,
     INPUT_IDS,
     INPUT_LENGTHS,
     PREV_LOGPROBS,
@@ -38,12 +48,14 @@ from tq_plugin.lightning.layout import POSITION_IDS, SEGMENT_IDS
 from tq_plugin.lightning.module import MICROBATCH_INFO, MetaBatchMixin
 from tq_plugin.lightning.plan import plan_step
 from tq_plugin.rl.generate import device_of
-from tq_plugin.rl.metrics import add_stats, rl_metrics
+from tq_plugin.rl.metrics import IS_MAX_STATS, add_is_stats, add_stats, is_metrics, rl_metrics
 from tq_plugin.rl.model import TinyTransformer, entropy, shift_values, token_logprobs
 from tq_plugin.rl.ranks import SCALED_BY_WORLD
+from tq_plugin.rl.staleness import is_correction_weights
 from tq_plugin.staging import MEDIA_IMGS_FIELD
 
-POLICY_TRAIN_FIELDS = [INPUT_IDS, INPUT_LENGTHS, TOKEN_MASK, SAMPLE_MASK, PREV_LOGPROBS, ADVANTAGES]
+POLICY_TRAIN_FIELDS = [INPUT_IDS, INPUT_LENGTHS, TOKEN_MASK, SAMPLE_MASK, PREV_LOGPROBS, ADVANTAGES,
+                       GENERATION_LOGPROBS]
 VALUE_TRAIN_FIELDS = [VALUES, RETURNS]
 
 
@@ -56,12 +68,18 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         recipe: RecipeConfig,
         packing: PackingConfig,
         media: bool = False,
+        correct_is: bool | None = None,
     ) -> None:
         super().__init__()
         self.policy = policy
         self.value = value
         self.rc = recipe
         self.media = media
+        # Whether recipe.is_correction weights the policy loss; None: for disaggregated runs,
+        # whose rows come from older weights (colocated rows come from the trained weights).
+        if correct_is is None:
+            correct_is = recipe.topology == "disaggregated"
+        self.is_mode = recipe.is_correction.mode if correct_is else "none"
         self.cfg = packing.model_cfg()
         self.configure_packing(**packing.host_attributes())
         self.dp_layout = packing.layout
@@ -144,22 +162,32 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         inputs = self._inputs(td, meta)
         logits = self.policy(ids, **inputs)
         lp = token_logprobs(logits, ids, self.rc.temperature)
-        old = td[PREV_LOGPROBS]
+        old, gen = td[PREV_LOGPROBS], td[GENERATION_LOGPROBS]
         adv = td[ADVANTAGES]
         log_ratio = torch.where(mask > 0, lp - old, torch.zeros_like(lp))
         ratio = log_ratio.exp()
         clipped = ratio.clamp(1.0 - self.rc.clip_eps, 1.0 + self.rc.clip_eps)
-        pg = -torch.minimum(ratio * adv, clipped * adv)
+        ic = self.rc.is_correction
+        is_w, is_masked = is_correction_weights(
+            old, gen, mask, mode=self.is_mode, cap=self.rc.is_cap, low=ic.min, high=ic.max,
+            sequence_ids=td[SEGMENT_IDS] if SEGMENT_IDS in td.keys() else None)  # noqa: SIM118
+        pg = -torch.minimum(ratio * adv, clipped * adv) * is_w
         loss = (pg * mask).sum() / norm
         ent = entropy(logits) * mask
         if self.rc.entropy_coef:
             loss = loss - self.rc.entropy_coef * ent.sum() / norm
         with torch.no_grad():
+            actions = mask > 0
+            gen_ratio = torch.where(actions, (old - gen).exp(), torch.zeros_like(old))
             stats = {
-                "clipped_tokens": float((((ratio - 1.0).abs() > self.rc.clip_eps).float() * mask).sum()),
+                "clipped_tokens": float(((clipped != ratio) & actions).sum()),
                 "action_tokens": float(mask.sum()),
                 "kl_sum": float(((ratio - 1.0 - log_ratio) * mask).sum()),
                 "entropy_sum": float(ent.detach().sum()),
+                "is_ratio_sum": float(gen_ratio.sum()),
+                "is_ratio_max": float(gen_ratio.max()) if gen_ratio.numel() else 0.0,
+                "is_masked_tokens": float(is_masked.sum()),
+                "gen_lp_abs_diff_sum": float(((gen - old).abs() * mask).sum()),
             }
         if self.value is not None:
             v = shift_values(self.value(ids, **inputs))
@@ -189,9 +217,11 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         """``rl/*`` through ``self.log``, once per global batch (one optimizer step), so every
         configured Lightning logger receives the same figures the recipe's CSV holds."""
         add_stats(self._gb_stats, stats)
+        add_is_stats(self._gb_stats, stats)
         if not info["last_in_global_batch"]:
             return
-        figures = rl_metrics(self.rank_totals(self._gb_stats), 1)
+        totals = self.rank_totals(self._gb_stats)
+        figures = rl_metrics(totals, 1) | is_metrics(totals)
         self._gb_stats = {}
         if self.value is None:
             figures.pop("value_loss")
@@ -205,7 +235,8 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
     def rank_totals(self, sums: dict[str, float]) -> dict[str, float]:
         """One global batch's microbatch sums over every DDP rank, combined as
         ``tq_plugin.rl.ranks.merge_rank_steps`` combines a step's: summed, the losses counted
-        once (each rank's carries the world size), ``seconds`` the slowest rank's. So the logged
+        once (each rank's carries the world size), ``seconds`` the slowest rank's and
+        ``is_ratio_max`` the largest. So the logged
         ``rl/*`` are the figures ``metrics.csv`` holds, not rank 0's (one all-reduce sum, one max)."""
         strategy = self.trainer.strategy
         world = self.trainer.world_size
@@ -219,8 +250,9 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         for key in SCALED_BY_WORLD:
             if key in total:
                 total[key] /= world
-        if "seconds" in total:
-            total["seconds"] = float(longest[keys.index("seconds")])
+        for key in ("seconds", *IS_MAX_STATS):
+            if key in total:
+                total[key] = float(longest[keys.index(key)])
         return total
 
     @staticmethod

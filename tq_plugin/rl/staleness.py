@@ -16,11 +16,14 @@ microbatch has trained (and, after each earlier optimizer step of step ``s``, we
 * ``StalenessFilter``: what the trainer checks anyway (a chunk may train later than its target:
   workers finish out of order, a replacement is late). Chunks over the bound are dropped and
   counted, never trained.
-* ``truncated_is_weights``: the per-token importance weight ``min(exp(prev - gen), cap)``.
+* ``truncated_is_weights``: the per-token importance weight ``min(exp(prev - gen), cap)``;
+  ``is_correction_weights``: every ``recipe.is_correction.mode`` (token, sequence-masked and
+  icepop-masked weights), which the policy loss multiplies its per-token terms by.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -150,4 +153,61 @@ def truncated_is_weights(prev_logprobs: torch.Tensor, generation_logprobs: torch
     return torch.where(mask > 0, log_ratio.exp(), torch.ones_like(log_ratio))
 
 
-__all__ = ["StalenessFilter", "Ticket", "TicketLedger", "truncated_is_weights"]
+def _sequence_mean(values: torch.Tensor, mask: torch.Tensor,
+                   sequence_ids: torch.Tensor) -> torch.Tensor:
+    """Each token's sequence mean of ``values`` over the sequence's masked tokens."""
+    ids = sequence_ids.reshape(-1).long()
+    n = int(ids.max()) + 1 if ids.numel() else 0
+    m = mask.reshape(-1).to(values.dtype)
+    sums = values.new_zeros(n).index_add_(0, ids, values.reshape(-1) * m)
+    counts = values.new_zeros(n).index_add_(0, ids, m)
+    return (sums / counts.clamp(min=1.0))[ids].view_as(values)
+
+
+def is_correction_weights(prev_logprobs: torch.Tensor, generation_logprobs: torch.Tensor,
+                          mask: torch.Tensor, *, mode: str, cap: float = 1.0, low: float = 0.5,
+                          high: float = 2.0, sequence_ids: torch.Tensor | None = None,
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights, masked)`` per token of ``recipe.is_correction.mode``, ``r = pi_old / pi_gen``.
+
+    * ``token_tis``: ``min(r, cap)``;
+    * ``seq_mask_tis``: ``min(r, cap)``, 0 on every token of a sequence whose ratio leaves
+      ``[low, high]``. A sequence's ratio is the geometric mean of its action tokens' ``r``
+      (``exp`` of their mean log-ratio), so the band means the same at every length: the
+      product would leave any band once a sequence is long enough;
+    * ``icepop``: ``r`` on tokens with ``r`` in ``[low, high]``, 0 on the others;
+    * ``none``: 1.
+
+    Off the mask the weight is 1 and nothing is masked. ``sequence_ids`` (same shape) names each
+    token's sequence (a packed row's ``segment_ids``); by default each row is one sequence.
+    ``masked`` is True on the action tokens the mode zeroed.
+    """
+    if prev_logprobs.shape != generation_logprobs.shape or prev_logprobs.shape != mask.shape:
+        raise ValueError(f"is_correction_weights: shapes differ: prev {tuple(prev_logprobs.shape)}, "
+                         f"generation {tuple(generation_logprobs.shape)}, mask {tuple(mask.shape)}")
+    on = mask > 0
+    ones = torch.ones_like(prev_logprobs)
+    log_ratio = torch.where(on, prev_logprobs - generation_logprobs, torch.zeros_like(ones))
+    log_low, log_high = math.log(low), math.log(high)
+    if mode == "none":
+        return ones, torch.zeros_like(on)
+    if mode == "token_tis":
+        return truncated_is_weights(prev_logprobs, generation_logprobs, mask, cap), torch.zeros_like(on)
+    if mode == "icepop":
+        keep = (log_ratio >= log_low) & (log_ratio <= log_high)
+        weights = log_ratio.clamp(max=log_high).exp()
+    elif mode == "seq_mask_tis":
+        if sequence_ids is None:
+            sequence_ids = torch.arange(mask.shape[0], device=mask.device).unsqueeze(1).expand_as(mask)
+        seq = _sequence_mean(log_ratio, on, sequence_ids)
+        keep = (seq >= log_low) & (seq <= log_high)
+        weights = truncated_is_weights(prev_logprobs, generation_logprobs, mask, cap)
+    else:
+        raise ValueError(f"is_correction_weights: mode must be one of token_tis, seq_mask_tis, "
+                         f"icepop, none; got {mode!r}")
+    masked = on & ~keep
+    return torch.where(masked, torch.zeros_like(weights), torch.where(on, weights, ones)), masked
+
+
+__all__ = ["StalenessFilter", "Ticket", "TicketLedger", "is_correction_weights",
+           "truncated_is_weights"]
