@@ -15,9 +15,10 @@ LAYERS = {
     "tq_plugin.data_plane": 1,
     "tq_plugin.staging": 2,
     "tq_plugin.lightning": 3,
-    "tq_plugin.rl": 4,
-    "tq_plugin.cli": 5,
-    "tq_plugin.demo": 5,
+    "tq_plugin.rollout": 4,
+    "tq_plugin.rl": 5,
+    "tq_plugin.cli": 6,
+    "tq_plugin.demo": 6,
 }
 BACKEND_ONLY = {
     "ray": {"tq_plugin.data_plane.backends.ray_actor", "tq_plugin.data_plane.backends.transferqueue",

@@ -408,6 +408,39 @@ class RecipeConfig:
         return self.is_truncation if cap is None else float(cap)
 
 
+ENGINES = ("native", "hf", "vllm")
+ENGINE_DTYPES = ("float32", "bfloat16", "float16")
+LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
+
+
+@dataclass
+class EngineConfig:
+    """``engine``: what generates the rollouts (``tq_plugin.rollout.engines``). ``native`` (the
+    recipes' sampler, any model), ``hf`` (transformers with a KV cache) or ``vllm`` (vLLM
+    in-process, the ``vllm`` extra); ``hf`` and ``vllm`` need ``model=hf_causal_lm``. Every
+    option has every key (a sweep over ``engine=`` applies each override to each); the keys
+    after ``dtype`` are vLLM's."""
+
+    name: str = "native"
+    # hf / vllm: the engine's copy of the weights (float32 matches the trainer's logprobs).
+    dtype: str = "float32"
+    # vllm: the KV cache's size (on CPU vLLM otherwise asks for most of the memory).
+    kv_cache_memory_bytes: int = 64 << 20
+    enforce_eager: bool = True
+    # processed_logprobs: after temperature and the allowed-token restriction (what the trainer
+    # recomputes); raw_logprobs would be the unscaled log-softmax.
+    logprobs_mode: str = "processed_logprobs"
+    # vllm: torch threads its forward runs on (0: the process's).
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        _one_of("engine.name", self.name, ENGINES)
+        _one_of("engine.dtype", self.dtype, ENGINE_DTYPES)
+        _one_of("engine.logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
+        _positive("engine.kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        _positive("engine.threads", self.threads, allow_zero=True)
+
+
 @dataclass
 class TQConfig:
     backend: BackendConfig = field(default_factory=BackendConfig)
@@ -424,6 +457,7 @@ SCHEMAS: dict[str, type] = {
     "task": TaskConfig,
     "model": ModelConfig,
     "recipe": RecipeConfig,
+    "engine": EngineConfig,
 }
 
 

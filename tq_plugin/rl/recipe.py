@@ -3,7 +3,11 @@
 torchtune-style: one class, ``setup`` / ``train`` / ``cleanup``, private ``_setup_*`` helpers.
 Each RL step (``prepare_step``), inside the fit's dataloader:
 
-1. the policy generates multi-turn rollouts, every call staged through ``TQTokenSink``;
+1. the rollout engine (``engine=native|hf|vllm``, ``tq_plugin.rollout``) generates multi-turn
+   rollouts, every call staged through ``TQTokenSink`` with the engine's own tokens, logprobs
+   and weight version. An ``hf`` or ``vllm`` engine holds its own copy of the policy, started
+   from an HF checkpoint the recipe writes into the run dir (``engine_init/``) and brought to
+   the trainer's weights before each step's rollouts (``rl/weight_sync_s``);
 2. ``RolloutReassembler.finalize_group`` verifies the staged calls against the receipts and
    writes the training rows (``first_write``) into the train partition, returning the meta;
 3. per-turn rewards, ``prev_logprobs`` (policy) and ``values`` (PPO's value model) are written
@@ -41,6 +45,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from omegaconf import DictConfig, open_dict
 
 from tq_plugin.config import PackingConfig, RecipeConfig, validate_config
+from tq_plugin.config.schema import EngineConfig
 from tq_plugin.data_plane import (
     ADVANTAGES,
     GENERATION_LOGPROBS,
@@ -62,11 +67,16 @@ from tq_plugin.rl.disaggregated import Disaggregated
 from tq_plugin.rl.metrics import RESULT_FILE, MetricsLog
 from tq_plugin.rl.model_protocol import check_models
 from tq_plugin.rl.module import RLModule
-from tq_plugin.rl.rollout import RolloutWorker
 from tq_plugin.rl.step_callbacks import RL_STEP, RLStepCallback, SigtermStop
-from tq_plugin.rl.task import IMG, PAD
-from tq_plugin.rl.weights import save_final_weights
+from tq_plugin.rl.task import EOS, IMG, PAD
+from tq_plugin.rl.weights import (
+    engine_weights,
+    hf_backbone,
+    save_final_weights,
+    write_engine_checkpoint,
+)
 from tq_plugin.rl.workers import TURN_REWARDS
+from tq_plugin.rollout import EngineError, RolloutWorker, build_engine
 from tq_plugin.staging import RolloutReassembler
 
 log = logging.getLogger(__name__)
@@ -89,6 +99,7 @@ class RLRecipe:
         self.output_dir = Path(output_dir)
         self.cfg = self._pin_logger_dirs(cfg)
         self.rc: RecipeConfig = typed["recipe"]
+        self.engine_cfg: EngineConfig = typed.get("engine") or EngineConfig()
         self.packing: PackingConfig = instantiate(cfg.tq.packing)
         self.media = bool(cfg.tq.staging.capture_media)
         self.ppo = self.rc.algorithm == "ppo"
@@ -111,6 +122,7 @@ class RLRecipe:
         state = dict(self.__dict__)
         if "generator" in state:
             state["generator"] = state["generator"].get_state().numpy().tobytes()
+        state["engine"] = None  # each process builds its own
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -133,6 +145,9 @@ class RLRecipe:
         self.generator = torch.Generator().manual_seed(self.rc.seed + 1009)
         self.summary: dict[str, Any] | None = None
         self._setup_models()
+        self._check_engine()
+        self.engine: Any = None
+        self.weight_sync_s: list[float] = []
         self.disaggregated = Disaggregated(self) if self.rc.topology == "disaggregated" else None
         self._setup_trainer()
         self.metrics = MetricsLog(self.output_dir, packing=self.packing.mode)
@@ -159,6 +174,70 @@ class RLRecipe:
         self.module = RLModule(policy=policy, value=value, recipe=self.rc, packing=self.packing,
                                media=self.media)
 
+    def _check_engine(self) -> None:
+        """Refuse an engine that cannot serve this run, before anything starts (one
+        ``EngineError`` naming ``engine`` and what to do)."""
+        name = self.engine_cfg.name
+        if name == "native":
+            return
+        if hf_backbone(self.module.policy) is None:
+            raise EngineError(f"engine={name} serves an HF-format policy: use model=hf_causal_lm "
+                              f"(model={self.cfg.model.get('name')} runs with engine=native)")
+        if self.media:
+            raise EngineError(f"engine={name} reads no pixels: tq/staging=media runs with "
+                              f"engine=native")
+        if name == "vllm":
+            import importlib.util
+
+            hf_cfg = hf_backbone(self.module.policy).config
+            head_dim = (getattr(hf_cfg, "head_dim", None)
+                        or hf_cfg.hidden_size // hf_cfg.num_attention_heads)
+            if head_dim % 32 and not torch.cuda.is_available():
+                raise EngineError(
+                    f"engine=vllm: vLLM's CPU attention fails on head_dim={head_dim} (model.d_model "
+                    f"/ model.n_heads); pick sizes whose head_dim is a multiple of 32 (e.g. "
+                    f"model.n_heads=2 with model.d_model=64) or use engine=hf")
+
+            if importlib.util.find_spec("vllm") is None:
+                from tq_plugin.rollout.engines.vllm import INSTALL_HINT
+
+                raise EngineError(f"engine=vllm: vLLM is not installed; {INSTALL_HINT}, or use "
+                                  f"engine=hf")
+
+    def _build_engine(self) -> Any:
+        """The colocated run's engine: the policy itself (``native``), or a copy started from
+        the HF checkpoint written into the run dir."""
+        policy, name = self.module.policy, self.engine_cfg.name
+        checkpoint = None
+        if name != "native":
+            checkpoint = write_engine_checkpoint(policy, self.output_dir / "engine_init")
+        return build_engine(self.engine_cfg, model=policy, checkpoint=checkpoint,
+                            max_model_len=int(self.cfg.model.max_seq_len), weight_version=0)
+
+    def _sync_engine(self, step: int) -> None:
+        """Bring the engine to the trainer's weights of ``step`` (those after the previous
+        step's last optimizer step) before it generates; log ``rl/weight_sync_s``.
+
+        Colocated, the engine generates only between RL steps, so one push per step is every
+        push that can change a rollout: ``recipe.weights_every`` matters to the disaggregated
+        topology, whose workers generate while the trainer trains."""
+        if self.engine.weight_version == step:
+            return
+        t0 = time.perf_counter()
+        self.engine.update_weights(engine_weights(self.module.policy, self.engine.name),
+                                   version=step)
+        seconds = time.perf_counter() - t0
+        self.weight_sync_s.append(seconds)
+        if self.trainer.is_global_zero:
+            for logger in self.trainer.loggers:
+                logger.log_metrics({"rl/weight_sync_s": seconds}, step=self.trainer.global_step)
+
+    def close_engine(self) -> None:
+        """Release the engine (idempotent); the recipe's cleanup and a failed fit call it."""
+        engine, self.engine = getattr(self, "engine", None), None
+        if engine is not None:
+            engine.close()
+
     def _setup_trainer(self) -> None:
         self.callback = DataPlaneCallback(  # the store is chosen once the world size is known
             self._train_store, role="policy",
@@ -180,6 +259,9 @@ class RLRecipe:
                                  global_batch=self.global_batch,
                                  save_artifacts=self.rc.save_artifacts)
         self.world_size = self.trainer.world_size
+        if self.world_size > 1 and self.engine_cfg.name != "native":
+            raise EngineError(f"engine={self.engine_cfg.name} runs with one trainer process: "
+                              f"use engine=native with several ranks (trainer=ddp_cpu)")
         # Every rank attaches to one store: started here, before the ranks exist, when the
         # config names no cluster (see tq_plugin.rl.ranks).
         self.cluster_address = (ranks.share_store_across_ranks(self.cfg.tq.backend)
@@ -221,7 +303,10 @@ class RLRecipe:
         client = self.module.dp_client
         self.sink = instantiate(self.cfg.tq.staging)(client)
         self.worker = RolloutWorker(task=self.task, sink=self.sink, temperature=self.rc.temperature,
-                                    max_new_tokens=self.rc.max_new_tokens)
+                                    max_new_tokens=self.rc.max_new_tokens, stop_token_id=EOS,
+                                    allowed_token_ids=self.task.output_token_ids)
+        if self.engine is None:
+            self.engine = self._build_engine()
         self.reassembler = RolloutReassembler(client, staging_partition=self.sink.staging_partition,
                                               capture_media=self.media, pad_token_id=PAD,
                                               clear_staged=True)
@@ -239,8 +324,9 @@ class RLRecipe:
         if self.worker is None:
             self._setup_data_path()
         m = self.module
+        self._sync_engine(step)
         t0 = time.perf_counter()
-        batch = self.worker.run(m.policy, step=step, prompts=self.rc.prompts_per_step,
+        batch = self.worker.run(self.engine, step=step, prompts=self.rc.prompts_per_step,
                                 group_size=self.rc.group_size, generator=self.generator)
         t1 = time.perf_counter()
         meta = self.reassembler.finalize_group(batch.receipts, partition_id=self.rc.train_partition)
@@ -301,6 +387,8 @@ class RLRecipe:
         except SIGTERMException:
             log.error("SIGTERM: resume with ckpt_path=%s", self.sigterm_checkpoint)
             raise SystemExit(SIGTERM_EXIT) from None
+        finally:
+            self.close_engine()
         if self.cluster_address is not None:  # this process hosts the ranks' cluster
             ranks.wait_for_launched_ranks(self.trainer)
 
@@ -329,6 +417,11 @@ class RLRecipe:
         merged = ranks.merge_rank_steps([rank_steps for rank_steps, _ in per_rank])
         self.metrics.steps = self.step_callback.restored + merged
         summary = self.metrics.summary(sum(t for _, t in per_rank))
+        summary["engine"] = self.engine_cfg.name
+        if self.weight_sync_s:
+            summary["weight_syncs"] = len(self.weight_sync_s)
+            summary["weight_sync_s_median"] = round(sorted(self.weight_sync_s)[
+                len(self.weight_sync_s) // 2], 4)
         if interrupted:
             summary["status"] = "interrupted"
         else:

@@ -1,4 +1,5 @@
-"""The trained policy (and value) weights a recipe leaves in its output dir, in safetensors.
+"""The trained policy (and value) weights a recipe leaves in its output dir, in safetensors;
+and what a rollout engine is given of the policy (its HF checkpoint, its named weights).
 
 ``policy.safetensors`` / ``value.safetensors`` hold the modules' ``state_dict`` (tied tensors
 stored once), with the model class and role in the header metadata. Each file is written beside
@@ -15,6 +16,8 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import load_model, save_model
 from torch import nn
+
+from tq_plugin.rollout import NamedWeights
 
 POLICY_WEIGHTS = "policy.safetensors"
 VALUE_WEIGHTS = "value.safetensors"
@@ -60,4 +63,30 @@ def load_weights(model: nn.Module, path: str | Path) -> nn.Module:
     return model
 
 
-__all__ = ["POLICY_WEIGHTS", "VALUE_WEIGHTS", "load_weights", "save_final_weights", "save_weights"]
+def hf_backbone(policy: nn.Module) -> nn.Module | None:
+    """The transformers model inside an HF-format policy (``model=hf_causal_lm``), else None."""
+    backbone = getattr(policy, "backbone", None)
+    return backbone if hasattr(backbone, "save_pretrained") else None
+
+
+def write_engine_checkpoint(policy: nn.Module, directory: str | Path) -> Path:
+    """Save the policy's transformers model as an HF checkpoint (config + safetensors) that the
+    ``hf`` and ``vllm`` engines start from. The policy's output restriction is not in it: the
+    engines apply it from the sampling parameters."""
+    backbone = hf_backbone(policy)
+    if backbone is None:
+        raise ValueError(f"{type(policy).__qualname__} is not an HF-format policy")
+    directory = Path(directory)
+    backbone.save_pretrained(str(directory))
+    return directory
+
+
+def engine_weights(policy: nn.Module, engine: str) -> NamedWeights:
+    """The policy's weights named as ``engine``'s model names them: the module's own parameters
+    for ``native``, the transformers model's (the checkpoint's names) for ``hf`` and ``vllm``."""
+    source = policy if engine == "native" else hf_backbone(policy)
+    return source.named_parameters()
+
+
+__all__ = ["POLICY_WEIGHTS", "VALUE_WEIGHTS", "engine_weights", "hf_backbone", "load_weights",
+           "save_final_weights", "save_weights", "write_engine_checkpoint"]

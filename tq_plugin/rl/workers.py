@@ -11,7 +11,10 @@ exchanges with the trainer goes through that store:
   generated with (``min_version``; see ``tq_plugin.rl.staleness``). The worker claims tickets as
   they come and runs, of those it holds, the lowest target the newest weights allow;
 * **weights** (partition ``policy_weights``): one row per version (``v{n}``: the flat parameter
-  vector and its ``weight_version``). Before each ticket the worker loads the newest version;
+  vector and its ``weight_version``). Before each ticket the worker loads the newest version
+  into its policy module and from there into its rollout engine (``engine=native`` samples
+  that module itself; ``hf`` and ``vllm`` hold their own copy, started from an HF checkpoint
+  of the worker's policy written to a temporary directory, and take the new weights in place);
   while every ticket it holds waits for newer weights it blocks on a claim of that partition
   (its own consumer task), which returns when the trainer publishes;
 * **rows**: the worker stages every call through ``TQTokenSink`` (``RolloutWorker`` stamps the
@@ -34,6 +37,7 @@ on an error (its traceback goes to stderr and its exit code tells the trainer it
 from __future__ import annotations
 
 import inspect
+import tempfile
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -227,9 +231,11 @@ class WorkerSpec:
     cfg: Any  # the run's DictConfig (task, model, tq.staging, recipe)
 
 
-def _build(spec: WorkerSpec) -> tuple[Any, Any, Any, Any]:
-    from tq_plugin.rl.rollout import RolloutWorker
-    from tq_plugin.rl.task import IMG, PAD
+def _build(spec: WorkerSpec, workdir: str) -> tuple[Any, Any, Any, Any, Any]:
+    from tq_plugin.config.schema import EngineConfig
+    from tq_plugin.rl.task import EOS, IMG, PAD
+    from tq_plugin.rl.weights import write_engine_checkpoint
+    from tq_plugin.rollout import RolloutWorker, build_engine
     from tq_plugin.staging import RolloutReassembler
 
     cfg, rc = spec.cfg, spec.cfg.recipe
@@ -243,17 +249,29 @@ def _build(spec: WorkerSpec) -> tuple[Any, Any, Any, Any]:
         client = SplitClient(client, LocalDataPlane(), {ROLLOUTS_PARTITION})
     sink = instantiate(cfg.tq.staging)(client)
     rollout = RolloutWorker(task=task, sink=sink, temperature=rc.temperature,
-                            max_new_tokens=rc.max_new_tokens)
+                            max_new_tokens=rc.max_new_tokens, stop_token_id=EOS,
+                            allowed_token_ids=task.output_token_ids)
     reassembler = RolloutReassembler(client, staging_partition=sink.staging_partition,
                                      capture_media=media, pad_token_id=PAD, clear_staged=True)
-    return task, policy, rollout, reassembler
+    options = EngineConfig(**cfg.engine) if cfg.get("engine") is not None else EngineConfig()
+    checkpoint = (None if options.name == "native"
+                  else write_engine_checkpoint(policy, f"{workdir}/engine_init"))
+    # Version -1 until the first publish loads: no ticket runs on the initial random weights.
+    engine = build_engine(options, model=policy, checkpoint=checkpoint,
+                          max_model_len=int(cfg.model.max_seq_len), weight_version=-1)
+    return task, policy, engine, rollout, reassembler
 
 
 class _Weights:
-    """The worker's copy of the policy: the publish it loaded and that publish's version."""
+    """The worker's copy of the policy: the publish it loaded and that publish's version, kept
+    in its policy module and pushed from there into its engine."""
 
-    def __init__(self, client: Any, policy: torch.nn.Module) -> None:
-        self.client, self.policy, self.publish, self.version = client, policy, -1, -1
+    def __init__(self, client: Any, policy: torch.nn.Module, engine: Any) -> None:
+        from tq_plugin.rl.weights import engine_weights
+
+        self.client, self.policy, self.engine = client, policy, engine
+        self.publish, self.version = -1, -1
+        self._named = lambda: engine_weights(policy, engine.name)
 
     def load_newest(self, newest: tuple[int, int] | None) -> int:
         """Load ``newest`` (``newest_weights``, just listed) if it is not the publish held, or a
@@ -267,6 +285,7 @@ class _Weights:
                 newest = newest_weights(self.client)
                 continue
             vector_to_parameters(td[WEIGHTS][0], self.policy.parameters())
+            self.engine.update_weights(self._named(), version=newest[1])
             self.publish, self.version = newest
             return self.version
 
@@ -315,9 +334,17 @@ def worker_main(spec: WorkerSpec, *, stop: StopSignal) -> None:
     """A worker process's loop: claim tickets, pick a runnable one, generate with the newest
     weights, deliver; returns once ``stop`` is set (its launcher calls it so)."""
     torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="tq-rollout-") as workdir:
+        task, policy, engine, rollout, reassembler = _build(spec, workdir)
+        try:
+            _serve(spec, stop, task, _Weights(spec.client, policy, engine), rollout, reassembler)
+        finally:
+            engine.close()
+
+
+def _serve(spec: WorkerSpec, stop: StopSignal, task: Any, weights: _Weights, rollout: Any,
+           reassembler: Any) -> None:
     client, rc = spec.client, spec.cfg.recipe
-    task, policy, rollout, reassembler = _build(spec)
-    weights = _Weights(client, policy)
     partition = tickets_partition(spec.index)
     held: list[dict[str, int]] = []
     while not stop.is_set():
@@ -337,8 +364,8 @@ def worker_main(spec: WorkerSpec, *, stop: StopSignal) -> None:
         held.remove(ticket)
         version = weights.load_newest(newest)
         generator = torch.Generator().manual_seed(rc.seed * 1_000_003 + 7919 * ticket["ticket"] + 1)
-        batch = rollout.run(policy, step=ticket["ticket"], prompts=ticket["prompts"],
-                            group_size=rc.group_size, generator=generator, weight_version=version)
+        batch = rollout.run(weights.engine, step=ticket["ticket"], prompts=ticket["prompts"],
+                            group_size=rc.group_size, generator=generator)
         rows = reassembler.finalize_group(batch.receipts, partition_id=ROLLOUTS_PARTITION)
         n = rows.size
         tag = {TICKET_TAG: ticket["ticket"], VERSION_TAG: version, CALLS_TAG: batch.staged_calls,

@@ -1,0 +1,147 @@
+"""The rollout-engine seam: what the recipes ask of whatever generates their continuations.
+
+An engine takes a batch of prompts as token ids and returns, per prompt, the sampled
+continuation and the logprob of each sampled token under the distribution it was drawn from:
+the temperature-scaled, output-restricted distribution, which is the one the trainer recomputes
+(``generation_logprobs`` next to ``prev_logprobs``). It holds the ``weight_version`` of the
+weights it serves, takes new ones through ``update_weights`` and releases what it holds in
+``close``. Three engines follow it (``tq_plugin.rollout.engines``): ``native`` (the recipes'
+own sampler over any token model), ``hf`` (a transformers causal LM with a KV cache) and
+``vllm`` (vLLM in-process).
+
+Sampling is reproducible per request: each prompt carries a seed, and the same prompt, seed and
+weights give the same continuation whatever else is in the batch. ``native`` and ``hf`` draw
+through :func:`draw_uniforms` / :func:`sample_from`, so on the same weights they agree token
+for token; vLLM draws from its own per-request generators.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from tq_plugin.config import ConfigError
+
+# Weights as an engine takes them: (name, tensor) pairs named as the engine's model names them
+# (an HF checkpoint's names for ``hf`` and ``vllm``, the module's own for ``native``).
+NamedWeights = Iterable[tuple[str, torch.Tensor]]
+
+
+class EngineError(ConfigError):
+    """An engine cannot start or serve with this configuration; the message names ``engine``
+    and what to do. A ``ConfigError``, so ``tq-train`` prints the message alone."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one batch is sampled.
+
+    ``stop_token_ids``: a continuation ends after the first of these (the token included).
+    ``allowed_token_ids``: the tokens the policy may emit (all when ``None``); the others get
+    no probability, as the trainer's logit bias gives them none.
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature: must be > 0, got {self.temperature}")
+
+
+@dataclass
+class Completion:
+    """One prompt's continuation: sampled ids (a stop token included when emitted) and the
+    logprob of each."""
+
+    token_ids: list[int]
+    logprobs: list[float] = field(default_factory=list)
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the rollout worker drives (see the module docstring)."""
+
+    name: str
+    weight_version: int
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                 seeds: Sequence[int], image_patches: torch.Tensor | None = None
+                 ) -> list[Completion]:
+        """One :class:`Completion` per prompt, in order. ``image_patches``: one row per image
+        placeholder over all prompts, in order (engines that read pixels only)."""
+        ...
+
+    def update_weights(self, weights: NamedWeights, *, version: int) -> None:
+        """Serve ``weights`` from the next call on, as ``version``; a partial update raises."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine's model and memory (idempotent)."""
+        ...
+
+
+def draw_uniforms(seeds: Sequence[int], steps: int) -> torch.Tensor:
+    """``[len(seeds), steps]`` uniforms in [0, 1), row ``i`` from a generator seeded with
+    ``seeds[i]``: one draw per request and call, never per token."""
+    out = torch.empty(len(seeds), steps, dtype=torch.float64)
+    for i, seed in enumerate(seeds):
+        out[i] = torch.rand(steps, generator=torch.Generator().manual_seed(int(seed)),
+                            dtype=torch.float64)
+    return out
+
+
+def restrict(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """``logits [B, V]`` with every token outside ``allowed`` (a bool ``[V]`` mask) at -inf."""
+    if allowed is None:
+        return logits
+    return logits.masked_fill(~allowed[: logits.shape[-1]].to(logits.device), float("-inf"))
+
+
+def allowed_mask(vocab: int, allowed_token_ids: Sequence[int] | None) -> torch.Tensor | None:
+    if allowed_token_ids is None:
+        return None
+    mask = torch.zeros(vocab, dtype=torch.bool)
+    mask[torch.tensor(list(allowed_token_ids))] = True
+    return mask
+
+
+def sample_from(logits: torch.Tensor, temperature: float, u: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens [B], logprobs [B])``: one draw per row from ``softmax(logits / T)`` by inverse
+    CDF at ``u [B]``, and the draw's logprob under that distribution (host tensors)."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1).cpu()
+    cdf = logp.double().exp().cumsum(-1)
+    # The first token whose cdf passes u: a zero-probability token repeats its predecessor's
+    # cdf, so it is never picked; scaling u by the total keeps rounding from running past the end.
+    tok = torch.searchsorted(cdf, u.unsqueeze(1) * cdf[:, -1:], right=True).squeeze(1)
+    return tok, logp.gather(1, tok.unsqueeze(1)).squeeze(1)
+
+
+def copy_named(model: torch.nn.Module, weights: NamedWeights, *, engine: str) -> None:
+    """Copy ``weights`` into ``model``'s parameters by name; every parameter must be named with
+    its shape, checked before anything is copied."""
+    own = dict(model.named_parameters())
+    given = dict(weights)
+    missing, unknown = sorted(set(own) - set(given)), sorted(set(given) - set(own))
+    if missing or unknown:
+        raise ValueError(f"engine={engine}: update_weights must name every parameter "
+                         f"(missing {missing[:3]}, unknown {unknown[:3]})")
+    wrong = [n for n, t in given.items() if tuple(t.shape) != tuple(own[n].shape)]
+    if wrong:
+        raise ValueError(f"engine={engine}: update_weights shapes differ for {wrong[:3]}")
+    with torch.no_grad():
+        for name, tensor in given.items():
+            if tensor is not own[name]:
+                own[name].copy_(tensor)
+
+
+__all__ = ["Completion", "EngineError", "NamedWeights", "RolloutEngine", "SamplingParams",
+           "allowed_mask", "copy_named", "draw_uniforms", "restrict", "sample_from"]

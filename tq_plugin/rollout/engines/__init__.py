@@ -1,0 +1,47 @@
+"""The three rollout engines and the one call that builds the configured one (``engine`` group).
+
+``hf`` and ``vllm`` are imported only when built: ``vllm`` pulls in vLLM (seconds to import)
+and ``hf`` transformers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from tq_plugin.config.schema import ENGINES
+from tq_plugin.rollout.engine import EngineError, RolloutEngine
+from tq_plugin.rollout.engines.native import NativeEngine
+
+
+def build_engine(options: Any, *, model: nn.Module | None = None,
+                 checkpoint: str | Path | None = None, max_model_len: int = 0,
+                 weight_version: int = 0) -> RolloutEngine:
+    """The engine ``options.name`` names (an ``EngineConfig``), serving ``model`` (``native``)
+    or the HF checkpoint directory ``checkpoint`` (``hf``, ``vllm``), holding
+    ``weight_version``. Raises :class:`EngineError` naming ``engine`` when it cannot be built."""
+    name = options.name
+    if name not in ENGINES:
+        raise EngineError(f"engine: must be one of {list(ENGINES)}, got {name!r}")
+    if name == "native":
+        if model is None:
+            raise EngineError("engine=native needs the policy module to sample from")
+        return NativeEngine(model, weight_version=weight_version)
+    if checkpoint is None:
+        raise EngineError(f"engine={name} serves an HF-format policy from its checkpoint: use "
+                          f"model=hf_causal_lm (other models run with engine=native)")
+    if name == "hf":
+        from tq_plugin.rollout.engines.hf import HFEngine
+
+        return HFEngine(checkpoint, dtype=options.dtype, weight_version=weight_version)
+    from tq_plugin.rollout.engines.vllm import VLLMEngine
+
+    return VLLMEngine(checkpoint, max_model_len=max_model_len, dtype=options.dtype,
+                      kv_cache_memory_bytes=options.kv_cache_memory_bytes,
+                      enforce_eager=options.enforce_eager, logprobs_mode=options.logprobs_mode,
+                      threads=options.threads, weight_version=weight_version)
+
+
+__all__ = ["ENGINES", "NativeEngine", "build_engine"]

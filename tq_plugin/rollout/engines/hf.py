@@ -1,0 +1,116 @@
+"""``engine=hf``: a transformers causal LM serving the policy, decoded with a KV cache.
+
+The engine loads its own copy of the policy from an HF checkpoint directory (``config.json`` +
+safetensors, written by ``save_pretrained``; nothing is downloaded) and decodes every batch in
+one prefill plus one cached forward per new token. Prompts are left-padded with an attention
+mask and positions counted from each row's first real token, so a row computes what it would
+alone. Sampling shares the native engine's draws (``tq_plugin.rollout.engine``): on the same
+weights, prompts and seeds both engines return the same tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from tq_plugin.rollout.engine import (
+    Completion,
+    EngineError,
+    NamedWeights,
+    SamplingParams,
+    allowed_mask,
+    copy_named,
+    draw_uniforms,
+    restrict,
+    sample_from,
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_checkpoint_model(path: str | Path, dtype: str) -> torch.nn.Module:
+    """The causal LM saved in ``path`` (local files and safetensors only), in eval mode."""
+    try:
+        import transformers
+    except ImportError as exc:
+        raise EngineError("engine=hf needs transformers: pip install 'tq_plugin[hf]'") from exc
+    if dtype not in DTYPES:
+        raise EngineError(f"engine.dtype: must be one of {list(DTYPES)}, got {dtype!r}")
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise EngineError(f"engine=hf: {path} holds no config.json (an HF checkpoint directory "
+                          f"written by save_pretrained is needed)")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path), local_files_only=True, use_safetensors=True, dtype=DTYPES[dtype])
+    return model.eval()
+
+
+class HFEngine:
+    """:class:`~tq_plugin.rollout.engine.RolloutEngine` over a transformers causal LM."""
+
+    name = "hf"
+
+    def __init__(self, checkpoint: str | Path, *, dtype: str = "float32",
+                 weight_version: int = 0) -> None:
+        self.model: torch.nn.Module | None = load_checkpoint_model(checkpoint, dtype)
+        self.weight_version = weight_version
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                 seeds: Sequence[int], image_patches: torch.Tensor | None = None
+                 ) -> list[Completion]:
+        model = self.model
+        if model is None:
+            raise RuntimeError("engine=hf: generate after close")
+        if image_patches is not None:
+            raise EngineError("engine=hf reads no pixels: use engine=native with tq/staging=media")
+        device = next(model.parameters()).device
+        b, steps = len(prompts), params.max_new_tokens
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(b, width, dtype=torch.long)
+        mask = torch.zeros(b, width, dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding: every row's next token is at the end
+            ids[i, width - len(p):] = torch.tensor(list(p))
+            mask[i, width - len(p):] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        u = draw_uniforms(seeds, steps)
+        stop = torch.tensor(list(params.stop_token_ids) or [-1])
+        out_tok = torch.zeros(b, steps, dtype=torch.long)
+        out_lp = torch.zeros(b, steps)
+        active = torch.ones(b, dtype=torch.bool)
+        n_new = torch.zeros(b, dtype=torch.long)
+        allowed, cache = None, None
+        for step in range(steps):
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                        past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            last = out.logits[:, -1].float()
+            if allowed is None:
+                allowed = allowed_mask(last.shape[-1], params.allowed_token_ids)
+            tok, lp = sample_from(restrict(last, allowed), params.temperature, u[:, step])
+            out_tok[active, step] = tok[active]
+            out_lp[active, step] = lp[active]
+            n_new += active.long()
+            active = active & ~torch.isin(tok, stop)
+            if not active.any():
+                break
+            ids = tok.unsqueeze(1).to(device)
+            positions = positions[:, -1:] + 1
+            mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=device)], dim=1)
+        counts = n_new.tolist()
+        return [Completion(out_tok[i, : counts[i]].tolist(), out_lp[i, : counts[i]].tolist())
+                for i in range(b)]
+
+    def update_weights(self, weights: NamedWeights, *, version: int) -> None:
+        """Copy ``weights`` (the checkpoint's parameter names) in place."""
+        copy_named(self.model, weights, engine=self.name)
+        self.weight_version = version
+
+    def close(self) -> None:
+        self.model = None
+
+
+__all__ = ["DTYPES", "HFEngine", "load_checkpoint_model"]

