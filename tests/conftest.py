@@ -3,26 +3,35 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import secrets
 
 import pytest
 
 HAVE_RAY = importlib.util.find_spec("ray") is not None
 HAVE_TQ = importlib.util.find_spec("transfer_queue") is not None
-# Ray on loopback only: a 2-core box, no dashboard, and never the machine's routable address.
-# 4 logical CPUs: TransferQueue's controller and storage unit take one each and must not starve
-# the tests' own actors (which ask for none).
-RAY_INIT = {"num_cpus": 4, "_node_ip_address": "127.0.0.2", "include_dashboard": False,
+# Every Ray the tests start (here, in subprocesses, in Hydra apps) asks for a token, this
+# session's own: no test reads or writes the user's ~/.ray/auth_token.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+# Ray on loopback only (127.0.0.1: every port binds there), with token authentication: a
+# 2-core box, no dashboard. 4 logical CPUs: TransferQueue's controller and storage unit take one
+# each and must not starve the tests' own actors (which ask for none).
+RAY_INIT = {"num_cpus": 4, "_node_ip_address": "127.0.0.1", "include_dashboard": False,
             "log_to_driver": False}
 
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """One local Ray instance for the whole session (starting Ray costs seconds)."""
+    """One local Ray instance for the whole session (starting Ray costs seconds), started the
+    way the backends start it (``start_ray_on_loopback``)."""
     if not HAVE_RAY:
         pytest.skip("ray is not installed (pip install 'tq_plugin[ray]')")
     import ray
 
-    ray.init(**RAY_INIT)
+    from tq_plugin.data_plane.backends.ray_actor import start_ray_on_loopback
+
+    start_ray_on_loopback(None, None, RAY_INIT)
     yield ray
     ray.shutdown()
 

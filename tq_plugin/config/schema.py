@@ -78,6 +78,8 @@ class RayBackendConfig:
     # A cluster's GCS address (host:port) to attach to; None starts Ray on loopback.
     address: str | None = None
     op_timeout_s: float = 300.0
+    # Attach to (or start) a Ray cluster that answers callers without its token (SECURITY.md).
+    allow_unauthenticated: bool = False
     # Passed to ray.init when Ray is not running yet.
     ray_init: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 2,
                                                               "include_dashboard": False})
@@ -101,6 +103,7 @@ class TransferQueueBackendConfig:
     op_timeout_s: float = 120.0
     address: str | None = None
     allow_non_loopback: bool = False
+    allow_unauthenticated: bool = False
     ray_init: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 2,
                                                               "include_dashboard": False})
 

@@ -25,9 +25,12 @@ import Ray.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
 import threading
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -35,16 +38,23 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch.nested._internal.nested_tensor import NestedTensor
 
+from tq_plugin.data_plane.backends._checkpoint import Restored
 from tq_plugin.data_plane.backends._claims import TaskCursors
 from tq_plugin.data_plane.backends._columns import ColumnSpec, gather_rows
 from tq_plugin.data_plane.backends.local import LocalDataPlane
 from tq_plugin.data_plane.client import DataPlaneClosedError, FieldsLike
 from tq_plugin.data_plane.meta import KVBatchMeta
 
+log = logging.getLogger(__name__)
+
 DEFAULT_ACTOR_NAME = "tq_plugin_data_plane"
 DEFAULT_NAMESPACE = "tq_plugin"
-# Ray rewrites 127.0.0.1 to the machine's routable address; 127.0.0.2 stays on loopback.
-LOOPBACK_NODE_IP = "127.0.0.2"
+# A local Ray's node address: with it (and ``_loopback_kept``) every Ray server binds loopback.
+LOOPBACK_NODE_IP = "127.0.0.1"
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
+_SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+# A read-only GCS call every Ray version with token authentication serves (its first, at attach).
+_GCS_PROBE = "/ray.rpc.NodeInfoGcsService/GetClusterId"
 # Field blocks smaller than this stay in the actor's memory instead of the object store.
 INLINE_BYTES = 64 << 10
 
@@ -53,10 +63,16 @@ INLINE_BYTES = 64 << 10
 _ACTOR_METHODS = frozenset({
     "register_partition", "put_samples", "locate", "get_tags", "clear_samples",
     "list_sample_ids", "list_partitions", "claim_meta", "check_consumption_status", "stats",
+    "save", "restore",
 })
 
 _HOSTS: dict[tuple[str, str], Any] = {}
+_VERIFIED: set[str] = set()  # GCS addresses seen refusing a caller without the token
 _SAME_SIZE_UINT = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
+
+
+class UnauthenticatedClusterError(RuntimeError):
+    """The Ray cluster runs (or would run) without token authentication, and that was not allowed."""
 
 
 def _ray() -> Any:
@@ -69,18 +85,123 @@ def _ray() -> Any:
     return ray
 
 
-def start_ray_on_loopback(address: str | None, namespace: str | None, ray_init: Mapping[str, Any] | None) -> None:
-    """Start Ray (or attach to ``address``) unless this process already runs it.
+def _token_available() -> bool:
+    """Whether this host holds a Ray token where Ray looks for one."""
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    return bool(os.environ.get("RAY_AUTH_TOKEN")) or (
+        os.path.isfile(path) if path else os.path.isfile(os.path.expanduser("~/.ray/auth_token")))
 
-    Without an address Ray starts a local instance on ``127.0.0.2``: nothing it or the stores
-    open listens on a routable interface.
+
+def _authenticating(allow_unauthenticated: bool, attaching: bool) -> None:
+    """Before ``ray.init``: token authentication on for this process and every one Ray starts.
+
+    Ray reads ``RAY_AUTH_MODE`` from the environment (its processes inherit it), and the token
+    from ``RAY_AUTH_TOKEN``, the file ``RAY_AUTH_TOKEN_PATH`` names, or ``~/.ray/auth_token``
+    (generated on a first local start). ``RAY_AUTH_MODE=disabled`` is refused unless allowed.
+    """
+    mode = os.environ.get(AUTH_MODE_ENV, "").lower()
+    if not mode and attaching and allow_unauthenticated and not _token_available():
+        return  # no token to send: the cluster must be one that does not ask for it
+    if mode and mode != "token":
+        if not allow_unauthenticated:
+            raise UnauthenticatedClusterError(
+                f"{AUTH_MODE_ENV}={os.environ[AUTH_MODE_ENV]} turns off Ray's token "
+                "authentication, so anyone who can reach the cluster's ports can run code in it; "
+                f"unset it (or set {AUTH_MODE_ENV}=token), or set "
+                "tq.backend.allow_unauthenticated=true on a network only the job's hosts reach"
+            )
+        log.warning("Ray runs without token authentication (%s=%s, allowed by "
+                    "allow_unauthenticated=True)", AUTH_MODE_ENV, os.environ[AUTH_MODE_ENV])
+        return
+    os.environ[AUTH_MODE_ENV] = "token"
+    # Ray caches its config at import (maybe before the variable was set): re-read it.
+    from ray._raylet import Config
+
+    Config.initialize("")
+
+
+def cluster_answers_without_token(gcs_address: str, timeout_s: float = 10.0) -> bool:
+    """True when the GCS at ``gcs_address`` serves a caller that sends no token.
+
+    One read-only call (``GetClusterId``) on a plain channel that carries no token: a cluster
+    with token authentication answers ``UNAUTHENTICATED``. Any other failure (TLS, a refused
+    connection) also means it did not answer.
+    """
+    import grpc
+
+    with grpc.insecure_channel(gcs_address) as channel:
+        try:
+            channel.unary_unary(_GCS_PROBE)(b"", timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+    return True
+
+
+def _refuse_unauthenticated(allow_unauthenticated: bool) -> None:
+    """Stop unless the cluster this process runs in refuses callers without the token."""
+    gcs = str(_ray().get_runtime_context().gcs_address)
+    if gcs in _VERIFIED or not cluster_answers_without_token(gcs):
+        _VERIFIED.add(gcs)
+        return
+    why = (f"the Ray cluster at {gcs} answers callers that send no token (it runs without "
+           "token authentication): anyone who can reach its ports can run code in it")
+    if not allow_unauthenticated:
+        raise UnauthenticatedClusterError(
+            f"{why}. Start it with {AUTH_MODE_ENV}=token on every node (Ray >= 2.52), or set "
+            "tq.backend.allow_unauthenticated=true on a network only the job's hosts reach."
+        )
+    log.warning("%s (allowed by allow_unauthenticated=True).", why)
+    _VERIFIED.add(gcs)
+
+
+@contextlib.contextmanager
+def _loopback_kept(node_ip: str | None) -> Iterator[None]:
+    """Keep a ``127.0.0.1`` node address on loopback during ``ray.init``.
+
+    On Linux Ray replaces ``127.0.0.1`` (as node address or in a GCS address) with the
+    machine's routable one, and its gRPC servers bind every interface unless the node address
+    is ``127.0.0.1``. Ray's single-machine mode (its default on macOS and Windows) skips the
+    replacement; this turns it on for the call, and for the processes the call starts.
+    """
+    if node_ip not in ("127.0.0.1", "localhost"):
+        yield
+        return
+    from ray._private import ray_constants
+
+    before_env = os.environ.get(_SINGLE_MACHINE_ENV)
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[_SINGLE_MACHINE_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before
+        if before_env is None:
+            os.environ.pop(_SINGLE_MACHINE_ENV, None)
+        else:
+            os.environ[_SINGLE_MACHINE_ENV] = before_env
+
+
+def start_ray_on_loopback(address: str | None, namespace: str | None,
+                          ray_init: Mapping[str, Any] | None, *,
+                          allow_unauthenticated: bool = False) -> None:
+    """Start Ray (or attach to ``address``) unless this process already runs it; then make
+    sure the cluster authenticates.
+
+    Without an address Ray starts a local instance on ``127.0.0.1`` with token authentication
+    and no dashboard: everything it and the stores open listens on loopback only. Attaching
+    sends this host's token (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or
+    ``~/.ray/auth_token``). Either way a cluster that answers callers without the token is
+    refused (``UnauthenticatedClusterError``) unless ``allow_unauthenticated``.
     """
     ray = _ray()
     if ray.is_initialized():
+        _refuse_unauthenticated(allow_unauthenticated)
         return
     opts = dict(ray_init or {})
     in_opts = opts.pop("address", None)
     address = address or in_opts
+    _authenticating(allow_unauthenticated, attaching=bool(address and address != "local"))
     if address and address != "local":
         # Attaching to a running cluster: its resources are set; Ray refuses them from a
         # driver that joins (num_cpus, num_gpus, resources, object_store_memory...).
@@ -91,11 +212,18 @@ def start_ray_on_loopback(address: str | None, namespace: str | None, ray_init: 
         if host.startswith("127."):
             # A cluster on loopback: join it there too (Ray would pick the routable address).
             opts["_node_ip_address"] = host
-        ray.init(address=address, namespace=namespace, **opts)
-        return
-    opts.setdefault("_node_ip_address", LOOPBACK_NODE_IP)
-    opts.setdefault("include_dashboard", False)
-    ray.init(address="local", namespace=namespace, **opts)
+        with _loopback_kept(host):
+            ray.init(address=address, namespace=namespace, **opts)
+    else:
+        opts.setdefault("_node_ip_address", LOOPBACK_NODE_IP)
+        opts.setdefault("include_dashboard", False)
+        with _loopback_kept(opts["_node_ip_address"]):
+            ray.init(address="local", namespace=namespace, **opts)
+    try:
+        _refuse_unauthenticated(allow_unauthenticated)
+    except UnauthenticatedClusterError:
+        ray.shutdown()
+        raise
 
 
 # ---------------------------------------------------------------- numpy <-> torch, zero-copy
@@ -288,14 +416,23 @@ class _RefColumn:
                 index, self.start[slots], self.length[slots])
 
     def read(self, slots: np.ndarray) -> Any:
-        """Scalar columns (a few bytes a row: claims read ``input_lengths``): the values.
+        """Scalar columns (a few bytes a row: claims read ``input_lengths``) and every column
+        while a checkpoint is taken (``_RefStore.save``): the values, as ``LocalDataPlane``'s
+        columns give them (jagged: values and offsets).
 
         Otherwise a placeholder of the right row count: ``LocalDataPlane.get_samples`` validates
         a read and calls this, and the actor answers reads with locations (``locate``).
         """
-        if not self.spec.jagged and self.spec.shape == ():
+        scalar = not self.spec.jagged and self.spec.shape == ()
+        if scalar or getattr(_FULL_READS, "on", False):
             blocks, elements, index, start, length = self.locate(slots)
-            return _gather(_fetch(blocks), elements, _dtype_name(self.spec.dtype), (), index, start, length)
+            values = _gather(_fetch(blocks), elements, _dtype_name(self.spec.dtype),
+                             self.spec.shape, index, start, length)
+            if not self.spec.jagged:
+                return values
+            offsets = torch.zeros(slots.shape[0] + 1, dtype=torch.int64)
+            torch.cumsum(torch.from_numpy(length), 0, out=offsets[1:])
+            return values, offsets
         placeholder = torch.zeros(slots.shape[0], dtype=torch.int8)
         return (placeholder, torch.arange(slots.shape[0] + 1)) if self.spec.jagged else placeholder
 
@@ -307,6 +444,9 @@ class _RefColumn:
     def reserved_bytes(self) -> int:
         return sum(self.block_bytes.values())
 
+
+# Set on the thread taking a checkpoint: columns then read their bytes, not placeholders.
+_FULL_READS = threading.local()
 
 # Blocks of the put being applied on this thread, keyed by id(prepared block): staged (copied
 # or put into the object store) before the store's write phase, which must not fail part-way.
@@ -352,8 +492,25 @@ class _RefStore(LocalDataPlane):
     """``LocalDataPlane``'s schema, validation, claims and bookkeeping, over ``_RefColumn``s."""
 
     def put_samples(self, sample_ids, partition_id, fields=None, tags=None, **options):  # type: ignore[override]
+        # A client's payload comes ``_encode``d; a checkpoint restored in the actor puts tensors.
+        fields = _decode(fields) if isinstance(fields, tuple) else fields
         return super().put_samples(sample_ids=sample_ids, partition_id=partition_id,
-                                   fields=_decode(fields), tags=tags, **options)
+                                   fields=fields, tags=tags, **options)
+
+    def save(self, path: str, *, metadata: Mapping[str, Any] | None = None) -> None:
+        """``LocalDataPlane.save`` (same format and guarantees), over the bytes the blocks hold."""
+        _FULL_READS.on = True
+        try:
+            super().save(path, metadata=metadata)
+        finally:
+            _FULL_READS.on = False
+
+    def restore(self, path: str) -> tuple[list[str], dict[str, Any]]:
+        """Put a ``save`` checkpoint into this store (claims included): ``load_into``'s rules."""
+        from tq_plugin.data_plane.backends._checkpoint import load_into
+
+        restored = load_into(self, path)
+        return restored.partition_ids, restored.metadata
 
     def _apply(self, part: Any, ids: list[str], prepared: list[Any], *args: Any, **kwargs: Any) -> None:
         # Stage every block first (the only step that can fail for want of memory), and give each
@@ -435,9 +592,10 @@ class RayDataPlane:
     when ``put_samples`` returns. An error raised in the actor comes back as its own type
     (Ray's error class subclasses it), message included.
 
-    When Ray is not running in this process it is started on loopback (``127.0.0.2``), or
-    attached to the cluster at ``address``; ``ray_init`` adds ``ray.init`` options, e.g.
-    ``{"num_cpus": 2}``. A pickled client (a Ray task argument, a DDP rank) re-attaches to the
+    When Ray is not running in this process it is started on loopback (``127.0.0.1``) with
+    token authentication, or attached to the cluster at ``address``; ``ray_init`` adds
+    ``ray.init`` options, e.g. ``{"num_cpus": 2}``. A cluster that answers callers without
+    the token is refused unless ``allow_unauthenticated`` (``start_ray_on_loopback``). A pickled client (a Ray task argument, a DDP rank) re-attaches to the
     same store by name.
     """
 
@@ -454,11 +612,14 @@ class RayDataPlane:
         address: str | None = None,
         ray_init: Mapping[str, Any] | None = None,
         op_timeout_s: float = 300.0,
+        allow_unauthenticated: bool = False,
         _create: bool = True,
     ) -> None:
         ray = _ray()
         self.op_timeout_s = float(op_timeout_s)
-        start_ray_on_loopback(address, namespace, ray_init)
+        self.allow_unauthenticated = bool(allow_unauthenticated)
+        start_ray_on_loopback(address, namespace, ray_init,
+                              allow_unauthenticated=self.allow_unauthenticated)
         key = (namespace, actor_name)
         self._actor = _HOSTS.get(key)
         if self._actor is None:
@@ -486,12 +647,14 @@ class RayDataPlane:
 
     @classmethod
     def start_cluster(cls, *, address: str | None = None, namespace: str = DEFAULT_NAMESPACE,
-                      ray_init: Mapping[str, Any] | None = None, **_store_options: Any) -> str:
+                      ray_init: Mapping[str, Any] | None = None,
+                      allow_unauthenticated: bool = False, **_store_options: Any) -> str:
         """Start Ray as a client built from these options would (or attach where ``address``
         names a cluster) and return the GCS address other processes attach with
         (``address=...``): how the DDP ranks of one run reach one store. The store options
         (``store``, ``actor_name``, ...) are accepted and not needed here."""
-        start_ray_on_loopback(address, namespace, ray_init)
+        start_ray_on_loopback(address, namespace, ray_init,
+                              allow_unauthenticated=allow_unauthenticated)
         return str(_ray().get_runtime_context().gcs_address)
 
     def _call(self, method: str, *, extra_s: float = 0.0, **kwargs: Any) -> Any:
@@ -605,6 +768,34 @@ class RayDataPlane:
     def stats(self) -> dict[str, int]:
         return self._call("stats")
 
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, path: str | os.PathLike[str], *,
+             metadata: Mapping[str, Any] | None = None) -> None:
+        """Checkpoint the shared store to the directory ``path``: ``LocalDataPlane.save``'s
+        format and guarantees (safetensors + JSON, no pickle, SHA-256 of every file, atomic
+        swap), written by the store actor's process, so ``path`` must be on its node (or on
+        storage every node shares). One client saves; the others need not."""
+        self._call("save", path=os.path.abspath(path), metadata=dict(metadata or {}))
+
+    def restore(self, path: str | os.PathLike[str]) -> Restored:
+        """Put the checkpoint at ``path`` into this store, in the actor: every file's digest is
+        checked and every row revalidated before the first write; claims come back too."""
+        ids, metadata = self._call("restore", path=os.path.abspath(path))
+        return Restored(ids, metadata)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], store: str = "default",
+             **options: Any) -> RayDataPlane:
+        """A new store ``store`` (``options`` as the constructor's) holding the checkpoint at
+        ``path``; a truncated or modified checkpoint is refused (``CheckpointError``)."""
+        client = cls(store, **options)
+        try:
+            client.restore(path)
+        except BaseException:
+            client.close()
+            raise
+        return client
+
     def close(self) -> None:
         """Owner: drop the store. Attached client: detach. Idempotent."""
         if self._closed:
@@ -621,10 +812,12 @@ class RayDataPlane:
         # Shipped to another process (a Ray worker, a DDP rank, a subprocess): attach there by
         # name, reaching this cluster when that process does not run Ray yet.
         address = _ray().get_runtime_context().gcs_address
-        return (_attach, (self.store, self.actor_name, self.namespace, address, self.op_timeout_s))
+        return (_attach, (self.store, self.actor_name, self.namespace, address, self.op_timeout_s,
+                          self.allow_unauthenticated))
 
 
 def _attach(store: str, actor_name: str, namespace: str, address: str | None = None,
-            op_timeout_s: float = 300.0) -> RayDataPlane:
+            op_timeout_s: float = 300.0, allow_unauthenticated: bool = False) -> RayDataPlane:
     return RayDataPlane(store, actor_name=actor_name, namespace=namespace, address=address,
-                        op_timeout_s=op_timeout_s, _create=False)
+                        op_timeout_s=op_timeout_s, allow_unauthenticated=allow_unauthenticated,
+                        _create=False)

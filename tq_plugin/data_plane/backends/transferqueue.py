@@ -1,8 +1,8 @@
 """``TransferQueueDataPlane``: the data-plane protocol over TransferQueue 0.1.11 (``tq_plugin[tq]``).
 
 The only module that imports ``transfer_queue``, and only when a client is built, so the base
-install never needs Ray. It starts TransferQueue on Ray (Ray itself on loopback, 127.0.0.2,
-unless ``address`` names a cluster) or attaches to the one already running, and translates the
+install never needs Ray. It starts TransferQueue on Ray (Ray itself on loopback, 127.0.0.1, with
+token authentication, unless ``address`` names a cluster) or attaches to the one already running, and translates the
 protocol to TransferQueue's key-value calls.
 
 TransferQueue is lax where our contract is strict (reference ``transferqueue.md`` §5): it accepts
@@ -14,8 +14,9 @@ schema lives in TransferQueue itself, as the tag of one reserved key per partiti
 process attached to the same TransferQueue enforces the same rules.
 
 Safety: TransferQueue's ZMQ sockets are unauthenticated and unpickle what they receive. They bind
-to Ray's node address, so this adapter refuses a non-loopback node unless
-``allow_non_loopback=True``, and then logs a warning that says why.
+to the address of the Ray node their actor runs on, so this adapter refuses a cluster with any
+node off loopback unless ``allow_non_loopback=True``, and then logs a warning that says why. Ray's
+own ports are covered by its token authentication (``start_ray_on_loopback``).
 
 Start-up never hangs: TransferQueue 0.1.11 waits forever when Ray lacks the CPUs its actors ask
 for, so the adapter checks them first, and every blocking call runs under a deadline.
@@ -90,13 +91,17 @@ def _deadline(what: str, timeout_s: float, fn: Callable[..., Any], /, **kwargs: 
 
 
 def _check_node_is_loopback(allow_non_loopback: bool) -> None:
+    """Every node TransferQueue's actors may land on must be on loopback (or it is allowed)."""
     import ray
 
-    ip = ray.util.get_node_ip_address()
-    if ipaddress.ip_address(ip).is_loopback:
+    ips = {ray.util.get_node_ip_address()}
+    ips.update(n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive"))
+    off = sorted(ip for ip in ips if not ipaddress.ip_address(ip.strip("[]")).is_loopback)
+    if not off:
         return
+    ip = ", ".join(off)
     why = (
-        f"TransferQueue binds its ZMQ sockets to Ray's node address {ip}, which is not loopback; "
+        f"TransferQueue binds its ZMQ sockets to its Ray node's address ({ip} is not loopback); "
         "those sockets are unauthenticated and unpickle what they receive, so anyone who can "
         "reach them can run code in the storage processes"
     )
@@ -110,13 +115,14 @@ def _check_node_is_loopback(allow_non_loopback: bool) -> None:
 
 def ensure_transfer_queue(*, num_storage_units: int = 1, init_timeout_s: float = 60.0,
                           address: str | None = None, ray_init: Mapping[str, Any] | None = None,
-                          allow_non_loopback: bool = False) -> None:
+                          allow_non_loopback: bool = False,
+                          allow_unauthenticated: bool = False) -> None:
     """Start TransferQueue (and Ray, on loopback) or attach to the running one; never hangs."""
     import ray
 
     tq = _tq()
     with _STATE_LOCK:
-        start_ray_on_loopback(address, None, ray_init)
+        start_ray_on_loopback(address, None, ray_init, allow_unauthenticated=allow_unauthenticated)
         _check_node_is_loopback(allow_non_loopback)
         try:
             ray.get_actor("TransferQueueController", namespace="transfer_queue")
@@ -216,11 +222,13 @@ class TransferQueueDataPlane:
         address: str | None = None,
         ray_init: Mapping[str, Any] | None = None,
         allow_non_loopback: bool = False,
+        allow_unauthenticated: bool = False,
         _owner: bool = True,
     ) -> None:
         self._start = {"num_storage_units": num_storage_units, "init_timeout_s": init_timeout_s,
                        "address": address, "ray_init": ray_init,
-                       "allow_non_loopback": allow_non_loopback}
+                       "allow_non_loopback": allow_non_loopback,
+                       "allow_unauthenticated": allow_unauthenticated}
         self._tq: Any = None
         if _owner:
             self._connect()
@@ -228,6 +236,7 @@ class TransferQueueDataPlane:
         self.op_timeout_s = float(op_timeout_s)
         self.init_timeout_s = float(init_timeout_s)
         self.allow_non_loopback = allow_non_loopback
+        self.allow_unauthenticated = allow_unauthenticated
         self._owner = _owner
         self._closed = False
         self._lock = threading.RLock()  # one schema read-modify-write at a time per client
@@ -235,7 +244,8 @@ class TransferQueueDataPlane:
     @classmethod
     def start_cluster(cls, *, num_storage_units: int = 1, init_timeout_s: float = 60.0,
                       address: str | None = None, ray_init: Mapping[str, Any] | None = None,
-                      allow_non_loopback: bool = False, **_store_options: Any) -> str:
+                      allow_non_loopback: bool = False, allow_unauthenticated: bool = False,
+                      **_store_options: Any) -> str:
         """Start Ray and TransferQueue as a client built from these options would (or attach
         to the running ones) and return the GCS address other processes attach with
         (``address=...``): how the DDP ranks of one run reach one TransferQueue. Starting it
@@ -244,7 +254,8 @@ class TransferQueueDataPlane:
 
         ensure_transfer_queue(num_storage_units=num_storage_units, init_timeout_s=init_timeout_s,
                               address=address, ray_init=ray_init,
-                              allow_non_loopback=allow_non_loopback)
+                              allow_non_loopback=allow_non_loopback,
+                              allow_unauthenticated=allow_unauthenticated)
         return str(ray.get_runtime_context().gcs_address)
 
     # ------------------------------------------------------------------ plumbing
@@ -620,14 +631,14 @@ class TransferQueueDataPlane:
 
         address = ray.get_runtime_context().gcs_address
         return (_attach, (self.store, address, self.init_timeout_s, self.op_timeout_s,
-                          self.allow_non_loopback))
+                          self.allow_non_loopback, self.allow_unauthenticated))
 
 
 def _attach(store: str, address: str, init_timeout_s: float, op_timeout_s: float,
-            allow_non_loopback: bool) -> TransferQueueDataPlane:
+            allow_non_loopback: bool, allow_unauthenticated: bool = False) -> TransferQueueDataPlane:
     return TransferQueueDataPlane(store, address=address, init_timeout_s=init_timeout_s,
                                   op_timeout_s=op_timeout_s, allow_non_loopback=allow_non_loopback,
-                                  _owner=False)
+                                  allow_unauthenticated=allow_unauthenticated, _owner=False)
 
 
 def _as_written(name: str, value: torch.Tensor, spec: ColumnSpec, n: int) -> torch.Tensor:
