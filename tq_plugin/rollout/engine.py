@@ -41,7 +41,8 @@ class SamplingParams:
 
     ``stop_token_ids``: a continuation ends after the first of these (the token included).
     ``allowed_token_ids``: the tokens the policy may emit (all when ``None``); the others get
-    no probability, as the trainer's logit bias gives them none.
+    no probability, as the trainer's logit bias gives them none. ``temperature=0`` is greedy
+    decoding (its logprobs are the untempered distribution's).
     """
 
     max_new_tokens: int
@@ -52,8 +53,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature: must be > 0, got {self.temperature}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
 
 
 @dataclass
@@ -116,8 +117,12 @@ def allowed_mask(vocab: int, allowed_token_ids: Sequence[int] | None) -> torch.T
 def sample_from(logits: torch.Tensor, temperature: float, u: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(tokens [B], logprobs [B])``: one draw per row from ``softmax(logits / T)`` by inverse
-    CDF at ``u [B]``, and the draw's logprob under that distribution (host tensors)."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1).cpu()
+    CDF at ``u [B]``, and the draw's logprob under that distribution (host tensors).
+    ``temperature=0``: the most likely token, with its untempered logprob."""
+    logp = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1).cpu()
+    if temperature == 0:
+        tok = logp.argmax(-1)
+        return tok, logp.gather(1, tok.unsqueeze(1)).squeeze(1)
     cdf = logp.double().exp().cumsum(-1)
     # The first token whose cdf passes u: a zero-probability token repeats its predecessor's
     # cdf, so it is never picked; scaling u by the total keeps rounding from running past the end.

@@ -1,0 +1,65 @@
+"""Engines over one tiny HF policy, shared by the rollout tests.
+
+vLLM starts once per module (``engines`` is module-scoped): in-process, one torch thread, a
+64 MiB KV cache, eager, float32, its inductor cache under ``.pytest_cache`` so warm runs skip
+the compile (17-26 s cold on the 2-core box).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tq_plugin.config.schema import EngineConfig
+from tq_plugin.rl.task import EOS, PatternTask
+from tq_plugin.rl.weights import write_engine_checkpoint
+from tq_plugin.rollout import build_engine
+
+pytest.importorskip("transformers")
+from tq_plugin.rl.hf_model import HFCausalLM
+
+ENGINE_NAMES = ["native", "hf", "vllm"]
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+TASK = PatternTask()
+MAX_LEN = 64
+
+
+def make_policy(seed: int = 0) -> HFCausalLM:
+    """A 2-layer llama over the pattern task's vocabulary; head_dim 32 (vLLM's CPU attention
+    needs a multiple of 32)."""
+    torch.manual_seed(seed)
+    return HFCausalLM(TASK.vocab_size, d_model=64, n_heads=2, n_layers=2, max_seq_len=MAX_LEN,
+                      output_token_ids=TASK.output_token_ids).eval()
+
+
+def engine_param(name: str):
+    marks = [pytest.mark.slow, pytest.mark.timeout(300)] if name == "vllm" else []
+    if name == "vllm" and not HAS_VLLM:
+        marks.append(pytest.mark.skip(reason="vLLM is not installed (make install puts it in)"))
+    return pytest.param(name, marks=marks, id=name)
+
+
+@pytest.fixture(scope="module", params=[engine_param(n) for n in ENGINE_NAMES])
+def engine_case(request, tmp_path_factory):
+    """``(engine, its own policy copy at the engine's weights)``; closed after the module."""
+    name = request.param
+    if name == "vllm":
+        cache = Path(request.config.rootpath) / ".pytest_cache" / "inductor"
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    policy = make_policy()
+    served = copy.deepcopy(policy)  # native samples the module it is given
+    checkpoint = None
+    if name != "native":
+        checkpoint = write_engine_checkpoint(policy, tmp_path_factory.mktemp(f"ckpt_{name}"))
+    engine = build_engine(EngineConfig(name=name), model=served, checkpoint=checkpoint,
+                          max_model_len=MAX_LEN)
+    yield engine, policy
+    engine.close()
+
+
+__all__ = ["EOS", "TASK", "make_policy"]

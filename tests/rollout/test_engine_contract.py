@@ -1,0 +1,106 @@
+"""The rollout-engine contract, one test body over every engine (native, hf, vllm).
+
+Each engine serves the same tiny HF policy; the trainer-side checks recompute with that
+policy's own forward (its output restriction included).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tq_plugin.rl.task import EOS, SEP
+from tq_plugin.rl.weights import engine_weights
+from tq_plugin.rollout import Completion, RolloutEngine, SamplingParams
+
+from .conftest import TASK, make_policy
+
+PROMPTS = [[1, 7, 14, SEP], [1, 9, 16, SEP, 8, 9, EOS, 5, SEP], [1, 12, 15, SEP]]
+PARAMS = SamplingParams(max_new_tokens=6, temperature=0.7, stop_token_ids=(EOS,),
+                        allowed_token_ids=tuple(TASK.output_token_ids))
+GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, stop_token_ids=(EOS,),
+                        allowed_token_ids=tuple(TASK.output_token_ids))
+
+
+@torch.no_grad()
+def trainer_logprobs(policy, prompt: list[int], tokens: list[int], temperature: float) -> list[float]:
+    logits = policy(torch.tensor([prompt + tokens]))[0].float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    return [float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(tokens)]
+
+
+@torch.no_grad()
+def trainer_greedy(policy, prompt: list[int], steps: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(steps):
+        tok = int(policy(torch.tensor([ids]))[0, -1].argmax())
+        ids.append(tok)
+        if tok == EOS:
+            break
+    return ids[len(prompt):]
+
+
+def test_engine_follows_the_protocol(engine_case):
+    engine, _ = engine_case
+    assert isinstance(engine, RolloutEngine)
+    assert engine.name in ("native", "hf", "vllm") and isinstance(engine.weight_version, int)
+
+
+def test_one_completion_per_prompt_stopping_after_eos_within_the_allowed_tokens(engine_case):
+    engine, _ = engine_case
+    out = engine.generate(PROMPTS, PARAMS, seeds=[1, 2, 3])
+    assert len(out) == len(PROMPTS) and all(isinstance(c, Completion) for c in out)
+    for c in out:
+        assert 1 <= len(c.token_ids) <= PARAMS.max_new_tokens
+        assert len(c.logprobs) == len(c.token_ids)
+        assert set(c.token_ids) <= set(TASK.output_token_ids)
+        assert EOS not in c.token_ids[:-1]  # a continuation ends at its first EOS
+        assert all(lp <= 0.0 for lp in c.logprobs)
+
+
+def test_logprobs_are_those_the_trainer_recomputes_at_the_temperature(engine_case):
+    engine, policy = engine_case
+    for prompt, c in zip(PROMPTS, engine.generate(PROMPTS, PARAMS, seeds=[4, 5, 6])):
+        want = trainer_logprobs(policy, prompt, c.token_ids, PARAMS.temperature)
+        assert c.logprobs == pytest.approx(want, abs=2e-4)
+
+
+def test_a_request_seed_fixes_its_continuation_whatever_the_batch(engine_case):
+    engine, _ = engine_case
+    alone = engine.generate(PROMPTS[:1], PARAMS, seeds=[11])[0]
+    batched = engine.generate(PROMPTS, PARAMS, seeds=[11, 12, 13])[0]
+    assert alone.token_ids == batched.token_ids
+    assert alone.logprobs == pytest.approx(batched.logprobs, abs=1e-5)
+
+
+def test_after_a_sync_the_engine_continues_as_the_trainer_does_with_the_new_weights(engine_case):
+    """The weight-sync proof: greedy continuations equal the trainer model's under the new
+    weights and differ from those under the old."""
+    engine, policy = engine_case
+    old = [trainer_greedy(policy, p, GREEDY.max_new_tokens) for p in PROMPTS]
+    assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY, seeds=[0, 0, 0])] == old
+    trained = make_policy(seed=1)  # stands in for the trainer's updated policy
+    new = [trainer_greedy(trained, p, GREEDY.max_new_tokens) for p in PROMPTS]
+    assert new != old
+    version = engine.weight_version + 1
+    engine.update_weights(engine_weights(trained, engine.name) if engine.name != "native"
+                          else trained.named_parameters(), version=version)
+    assert engine.weight_version == version
+    assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY, seeds=[0, 0, 0])] == new
+    engine.update_weights(engine_weights(policy, engine.name) if engine.name != "native"
+                          else policy.named_parameters(), version=version + 1)
+    assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY, seeds=[0, 0, 0])] == old
+
+
+def test_a_partial_update_is_refused_and_the_engine_keeps_serving(engine_case):
+    engine, _ = engine_case
+    version = engine.weight_version
+    source = make_policy(seed=2)
+    named = list(engine_weights(source, engine.name) if engine.name != "native"
+                 else source.named_parameters())
+    before = engine.generate(PROMPTS, GREEDY, seeds=[0, 0, 0])
+    with pytest.raises(ValueError, match=f"engine={engine.name}"):
+        engine.update_weights(named[1:], version=version + 1)
+    assert engine.weight_version == version
+    assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY, seeds=[0, 0, 0])] == \
+        [c.token_ids for c in before]
