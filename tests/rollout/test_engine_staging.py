@@ -77,7 +77,7 @@ def test_every_call_is_staged_with_the_engines_tokens_logprobs_and_version(engin
 
 def test_a_call_the_engine_fails_poisons_its_rollouts(engine_case):
     engine, _ = engine_case
-    batch, meta, td = run_step(Recording(engine, fail_on_call=1))
+    batch, _, td = run_step(Recording(engine, fail_on_call=1))
     assert batch.failed_calls == 6
     assert all(r.capture_poisoned for r in batch.receipts)
     assert bool((td[SAMPLE_MASK] == 0).all())
