@@ -364,3 +364,134 @@ def test_each_restored_row_lands_whole_in_one_put(tmp_path: Path) -> None:
     load_into(Recording(), tmp_path / "ck")
     held = {"a": ["j", "x"], "b": ["j", "x", "y"], "c": ["j", "x"]}
     assert sorted(puts) == [(["a", "c"], held["a"]), (["b"], held["b"])]
+
+
+# ---------------------------------------------------------------------- the Ray-hosted store
+@pytest.fixture
+def ray_store(ray_session):
+    import uuid
+
+    from tq_plugin.data_plane.backends.ray_actor import RayDataPlane
+
+    store = RayDataPlane(f"ckpt-{uuid.uuid4().hex[:8]}", actor_name="tq_plugin_tests")
+    yield store
+    store.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_ray_store_saves_and_restores_the_embedded_format(tmp_path: Path, ray_store) -> None:
+    """The actor runs the embedded store's checkpoint code: a local checkpoint restored into
+    the Ray store and saved from it again comes back identical (rows, tags, claims, order),
+    and every file is digested in the manifest."""
+    src = _populated()
+    src.save(tmp_path / "local")
+    assert ray_store.restore(tmp_path / "local").partition_ids == sorted(src.list_partitions())
+    ray_store.save(tmp_path / "ray", metadata={"step": 3})
+    manifest = json.loads((tmp_path / "ray" / MANIFEST).read_text())
+    for i, part in enumerate(manifest["partitions"]):
+        blob = (tmp_path / "ray" / f"{i}.safetensors").read_bytes()
+        assert part["sha256"] == hashlib.sha256(blob).hexdigest()
+    back = LocalDataPlane.load(tmp_path / "ray")
+    _assert_same(_state(src), _state(back))
+    assert load_into(LocalDataPlane(), tmp_path / "ray").metadata == {"step": 3}
+    # The restored claims live in the actor's store: the next claim continues where src's does.
+    nxt = ray_store.claim_meta("open", "train", ["scalar"], 100, blocking=False).sample_ids
+    assert nxt == src.claim_meta("open", "train", ["scalar"], 100, blocking=False).sample_ids
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_ray_store_swaps_its_checkpoint_in_atomically(tmp_path: Path, ray_store) -> None:
+    from tq_plugin.data_plane.backends.ray_actor import RayDataPlane
+
+    ray_store.register_partition("p", [])
+    ray_store.put_samples(["a"], "p", {"x": torch.ones(1), "j": _ragged([70_000], torch.uint8)})
+    ray_store.save(tmp_path / "ck")
+    ray_store.put_samples(["b"], "p", {"x": torch.zeros(1)})
+    ray_store.clear_samples(["a"], "p")
+    ray_store.save(tmp_path / "ck")
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+    loaded = RayDataPlane.load(tmp_path / "ck", store=f"{ray_store.store}-2",
+                               actor_name="tq_plugin_tests")
+    try:
+        assert loaded.list_sample_ids("p") == ["b"]
+        assert loaded.get_samples(["b"], "p", ["x"])["x"].tolist() == [0.0]
+    finally:
+        loaded.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_ray_store_refuses_a_tampered_checkpoint_and_stays_unchanged(
+        tmp_path: Path, ray_store) -> None:
+    s = LocalDataPlane()
+    s.register_partition("p", [])
+    s.put_samples(["a", "b"], "p", {"d": torch.arange(4.0).reshape(2, 2),
+                                    "j": _ragged([100_000, 1], torch.float32)})
+    s.save(tmp_path / "ck")
+    data = bytearray((tmp_path / "ck" / "0.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (tmp_path / "ck" / "0.safetensors").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="does not match its sha256"):
+        ray_store.restore(tmp_path / "ck")
+    assert ray_store.list_partitions() == []
+
+
+def _rank(root: Path, rank: int, barriers: list[int]) -> Any:
+    """What ``DataPlaneCallback`` reads of a Trainer, for rank ``rank`` of two."""
+    from types import SimpleNamespace
+
+    strategy = SimpleNamespace(barrier=lambda name: barriers.append(rank))
+    return SimpleNamespace(global_rank=rank, is_global_zero=rank == 0, world_size=2,
+                           default_root_dir=str(root), global_step=7, strategy=strategy)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_callback_checkpoints_a_shared_ray_store_from_rank_zero_alone(
+        tmp_path: Path, ray_store) -> None:
+    from types import SimpleNamespace
+
+    from tq_plugin.data_plane.backends.ray_actor import RayDataPlane
+    from tq_plugin.lightning.callback import DataPlaneCallback
+
+    barriers: list[int] = []
+
+    def ranks(owner: RayDataPlane) -> list[tuple[DataPlaneCallback, Any]]:
+        out = []
+        for r in (0, 1):
+            client = owner if r == 0 else RayDataPlane(owner.store, actor_name="tq_plugin_tests")
+            cb = DataPlaneCallback(client, role="policy")
+            trainer = _rank(tmp_path, r, barriers)
+            cb.setup(trainer, SimpleNamespace(), "fit")
+            out.append((cb, trainer))
+        return out
+
+    ray_store.register_partition("p", [], consumer_tasks=["train"])
+    ray_store.put_samples(["a", "b", "c"], "p", {"x": torch.arange(3.0)})
+    first = ray_store.claim_meta("p", "train", ["x"], 1).sample_ids
+    states = []
+    for cb, trainer in ranks(ray_store):
+        checkpoint = {"callbacks": {cb.state_key: cb.state_dict()}}
+        cb.on_save_checkpoint(trainer, SimpleNamespace(), checkpoint)
+        states.append(checkpoint["callbacks"][cb.state_key])
+    base = tmp_path / "dataplane" / "policy" / "step-7"
+    assert sorted(os.listdir(base)) == ["rank-0"]  # one copy of the shared rows, by rank 0
+    assert states[0]["store_path"] == states[1]["store_path"] == str(base)
+
+    fresh = RayDataPlane(f"{ray_store.store}-resumed", actor_name="tq_plugin_tests")
+    try:
+        resumed = ranks(fresh)
+        barriers.clear()
+        for (cb, trainer), state in zip(resumed, states):
+            cb.on_load_checkpoint(trainer, SimpleNamespace(),
+                                  {"callbacks": {cb.state_key: state}})
+        assert [cb.restored_from for cb, _ in resumed] == [str(base), None]
+        assert barriers == [0, 1]  # no rank goes on before rank 0 has put the rows back
+        assert fresh.list_sample_ids("p") == ["a", "b", "c"]
+        # The claims came back inside the actor's store: the claimed row is not handed out again.
+        rest = fresh.claim_meta("p", "train", ["x"], 2, blocking=False).sample_ids
+        assert first[0] not in rest and len(rest) == 2
+    finally:
+        fresh.close()

@@ -20,8 +20,9 @@ With ``checkpoint_store`` (the default) every Lightning checkpoint also saves th
 state; ``on_load_checkpoint`` puts the rows back into the freshly built client. The role's
 ``MetaDataModule`` source, wrapped by ``step_source`` in ``setup``, then hands the interrupted
 step's meta back instead of generating the step again. An embedded store is saved by every
-rank (each holds its own rows); any other client with a ``save`` method is assumed shared and
-saved by global rank 0.
+rank (each holds its own rows); any other client with a ``save`` method (``RayDataPlane``) is
+shared: global rank 0 saves it and, on resume, restores it (through the client's ``restore`` when
+it has one, so the store keeps its claims), and no rank goes on before the rows are back.
 """
 
 from __future__ import annotations
@@ -405,18 +406,27 @@ class DataPlaneCallback(Callback):
         if not self.checkpoint_store or not base or self.client is None:
             return
         rank = self._store_rank(trainer)
-        if rank is None:
-            return
-        path = Path(base) / f"rank-{rank}"
         try:
-            restored = load_into(self._inner(), path)
+            if rank is not None:
+                self._restore_store(Path(base), rank)
+        finally:
+            if getattr(trainer, "world_size", 1) > 1 and getattr(self._inner(), "shared", True):
+                # Rank 0 alone restores a shared store: no rank reads it before the rows are back.
+                trainer.strategy.barrier("DataPlaneCallback.on_load_checkpoint")
+
+    def _restore_store(self, base: Path, rank: int) -> None:
+        path = base / f"rank-{rank}"
+        inner = self._inner()
+        try:
+            restore = getattr(inner, "restore", None)
+            restored = restore(str(path)) if callable(restore) else load_into(inner, path)
         except CheckpointError as err:
             raise CheckpointError(
                 f"DataPlaneCallback(role={self.role!r}) cannot restore the store this "
                 f"checkpoint was saved with: {err}. Pass checkpoint_store=False to resume "
                 "without it (the interrupted step is then generated again)."
             ) from err
-        self.restored_from = base
+        self.restored_from = str(base)
         held = restored.metadata.get(_STEP_META)
         if held is not None:
             meta = held["meta"]
