@@ -161,7 +161,8 @@ def lengths_from(items: list[tuple[str, torch.Tensor]]) -> list[int] | None:
     return None
 
 
-def _check_storable(name: str, value: torch.Tensor) -> None:
+def check_storable(name: str, value: torch.Tensor) -> None:
+    """Refuse what no column can hold (sparse, quantized, meta, uncopyable dtypes), naming it."""
     if value.layout is not torch.strided:
         raise TypeError(
             f"put_samples: field {name!r} has layout {value.layout}; only dense (strided) tensors "
@@ -220,7 +221,7 @@ def prepare(part: Any, name: str, value: torch.Tensor, n: int) -> Prepared:
     live = col if col is not None and col.live_rows > 0 else None
     if value.is_nested:
         return _prepare_nested(name, value, n, live)
-    _check_storable(name, value)
+    check_storable(name, value)
     shape = value.shape
     if not shape:
         raise ValueError(f"put_samples: field {name!r} is 0-d; every field needs a row dim")
@@ -237,8 +238,10 @@ def prepare(part: Any, name: str, value: torch.Tensor, n: int) -> Prepared:
                 f"put_samples: field {name!r} is jagged; a dense put needs shape "
                 f"[N, L, ...], got {tuple(shape)}"
             )
-        return Prepared(name, ColumnSpec(True, value.dtype, tuple(shape[2:])),
-                        value[0] if n == 1 else value.reshape(-1, *shape[2:]),
+        spec = ColumnSpec(True, value.dtype, tuple(shape[2:]))
+        if live is not None and spec != live.spec:
+            raise_mismatch(name, live.spec, spec)
+        return Prepared(name, spec, value[0] if n == 1 else value.reshape(-1, *shape[2:]),
                         np.full(n, shape[1], dtype=np.int64), False)
     spec = ColumnSpec(False, value.dtype, tuple(shape[1:]))
     if live is None or spec == live.spec:
@@ -265,7 +268,7 @@ def _prepare_nested(name: str, value: torch.Tensor, n: int, live: Any) -> Prepar
     if value._ragged_idx != 1:
         raise TypeError(f"put_samples: field {name!r} must be ragged on dim 1")
     values = value._values
-    _check_storable(name, values)
+    check_storable(name, values)
     if offsets.dtype.is_floating_point or offsets.dtype.is_complex:
         raise TypeError(f"put_samples: field {name!r} has {offsets.dtype} offsets; they must be integers")
     o = offsets.detach().cpu().numpy().astype(np.int64, copy=False)

@@ -99,7 +99,14 @@ class WritePath:
             col = part.columns.get(p.name)
             if p.promote:
                 col = col.to_jagged()  # type: ignore[union-attr]
-            elif col is None or col.spec != p.spec:  # no live rows (checked in prepare)
+            elif col is None or col.spec != p.spec:
+                if col is not None and col.live_rows > 0:
+                    # prepare() refuses a spec change on live rows; replacing the column here
+                    # would drop acknowledged rows, so an escaped case fails loudly instead.
+                    raise TypeError(
+                        f"put_samples: field {p.name!r} holds {col.spec.describe()} in "
+                        f"{col.live_rows} live rows; this put has {p.spec.describe()}"
+                    )
                 col = self._new_column(p.spec)
             grew = col.reserve(need, p.block.shape[0] if p.spec.jagged else 0) or grew
             targets.append(col)

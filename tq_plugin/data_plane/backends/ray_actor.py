@@ -41,6 +41,7 @@ from torch.nested._internal.nested_tensor import NestedTensor
 from tq_plugin.data_plane.backends._checkpoint import Restored
 from tq_plugin.data_plane.backends._claims import TaskCursors
 from tq_plugin.data_plane.backends._columns import ColumnSpec, gather_rows
+from tq_plugin.data_plane.backends._validate import check_storable
 from tq_plugin.data_plane.backends.local import LocalDataPlane
 from tq_plugin.data_plane.client import DataPlaneClosedError, FieldsLike
 from tq_plugin.data_plane.meta import KVBatchMeta
@@ -253,6 +254,14 @@ def _cpu(t: torch.Tensor) -> torch.Tensor:
     return (t if t.is_cpu else t.cpu()).contiguous()
 
 
+def _listed(values: Any) -> Any:
+    """A list of ``values`` to ship; a bare string (or a non-iterable) travels as it is, so the
+    store refuses it by name instead of ``list("s1")`` splitting it into ids ``['s', '1']``."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        return values
+    return list(values)
+
+
 def _encode(fields: FieldsLike | None) -> Any:
     """A put's payload as numpy buffers Ray ships out of band.
 
@@ -277,6 +286,7 @@ def _encode(fields: FieldsLike | None) -> Any:
             values, offsets = _cpu(v._values), _cpu(v._offsets)
             out.append((name, "jagged", _dtype_name(values.dtype), _as_numpy(values), offsets.numpy()))
         elif type(v) is torch.Tensor and not v.is_nested:
+            check_storable(name, v)  # a sparse or meta tensor cannot become a numpy buffer
             t = _cpu(v)
             out.append((name, "dense", _dtype_name(t.dtype), _as_numpy(t), None))
         else:
@@ -519,7 +529,10 @@ class _RefStore(LocalDataPlane):
         before = dict(part.columns)
         for p in prepared:
             col = part.columns.get(p.name)
-            if not p.promote and (not isinstance(col, _RefColumn) or col.spec != p.spec):
+            # Only a field without live rows starts afresh (prepare refuses a change of a live
+            # one); replacing a live column would drop every acknowledged row of the field.
+            fresh = col is None or col.live_rows == 0
+            if not p.promote and fresh and (not isinstance(col, _RefColumn) or col.spec != p.spec):
                 part.columns[p.name] = _RefColumn(p.spec)
         _STAGED.blocks = staged
         try:
@@ -688,7 +701,7 @@ class RayDataPlane:
         jagged_fields: Sequence[str] | None = None,
     ) -> None:
         self._call(
-            "register_partition", partition_id=partition_id, fields=list(fields),
+            "register_partition", partition_id=partition_id, fields=_listed(fields),
             num_samples=num_samples,
             consumer_tasks=None if consumer_tasks is None else list(consumer_tasks),
             grpo_group_size=grpo_group_size, enums=None if enums is None else dict(enums),
@@ -705,7 +718,7 @@ class RayDataPlane:
     ) -> KVBatchMeta:
         """``LocalDataPlane.put_samples`` semantics; ``options`` (e.g. ``mode``) pass through."""
         return self._call(
-            "put_samples", sample_ids=list(sample_ids), partition_id=partition_id,
+            "put_samples", sample_ids=_listed(sample_ids), partition_id=partition_id,
             fields=_encode(fields), tags=None if tags is None else [dict(t) for t in tags],
             **options,
         )
@@ -713,8 +726,8 @@ class RayDataPlane:
     def get_samples(
         self, sample_ids: Sequence[str], partition_id: str, select_fields: Sequence[str]
     ) -> TensorDict:
-        plan = self._call("locate", sample_ids=list(sample_ids), partition_id=partition_id,
-                          select_fields=list(select_fields))
+        plan = self._call("locate", sample_ids=_listed(sample_ids), partition_id=partition_id,
+                          select_fields=_listed(select_fields))
         fields = plan["fields"]
         blocks = [b for f in fields.values() for b in f[3]]
         arrays = iter(_fetch(blocks, self.op_timeout_s))  # one object-store trip for all fields
@@ -734,7 +747,7 @@ class RayDataPlane:
     get_data = TaskCursors.get_data
 
     def get_tags(self, sample_ids: Sequence[str], partition_id: str) -> list[dict[str, Any]]:
-        return self._call("get_tags", sample_ids=list(sample_ids), partition_id=partition_id)
+        return self._call("get_tags", sample_ids=_listed(sample_ids), partition_id=partition_id)
 
     def clear_samples(self, sample_ids: Sequence[str] | None, partition_id: str) -> None:
         if sample_ids is None and not self._call("list_sample_ids", partition_id=partition_id):
@@ -744,7 +757,7 @@ class RayDataPlane:
                 RuntimeWarning,
                 stacklevel=2,
             )
-        self._call("clear_samples", sample_ids=None if sample_ids is None else list(sample_ids),
+        self._call("clear_samples", sample_ids=None if sample_ids is None else _listed(sample_ids),
                    partition_id=partition_id)
 
     def list_sample_ids(self, partition_id: str) -> list[str]:
