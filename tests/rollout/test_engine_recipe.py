@@ -16,7 +16,7 @@ from tq_plugin.rollout import EngineError
 pytest.importorskip("transformers")
 FAST = ["recipe.num_steps=3", "recipe.prompts_per_step=4", "recipe.ppo_epochs=1",
         "recipe.save_artifacts=true", "trainer.enable_progress_bar=false", "logger=csv"]
-HF = ["model=hf_causal_lm", "model.n_heads=2"]
+HF = ["model=hf_causal_lm"]
 
 
 def recipe_for(tmp_path, overrides: list[str], name: str = "grpo") -> RLRecipe:
