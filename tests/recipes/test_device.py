@@ -80,12 +80,10 @@ def stand_in_trainer(accelerator: str, world: int) -> Any:
                            accelerator=type(accelerator, (), {})(), world_size=world)
 
 
-def test_one_gpu_is_accepted_and_more_are_refused_by_name() -> None:
+def test_one_or_several_gpus_are_accepted_and_other_accelerators_refused_by_name() -> None:
     backend = SimpleNamespace(_target_="tq_plugin.data_plane.LocalDataPlane")
-    ranks.check_parallel_run(stand_in_trainer("CUDAAccelerator", 1), backend=backend,
-                             global_batch=4, save_artifacts=True)
-    with pytest.raises(ValueError, match="trainer.devices: the recipes run on one CUDA GPU"):
-        ranks.check_parallel_run(stand_in_trainer("CUDAAccelerator", 2), backend=backend,
+    for world in (1, 2):  # one process per GPU, each on its shard of the global batch
+        ranks.check_parallel_run(stand_in_trainer("CUDAAccelerator", world), backend=backend,
                                  global_batch=4, save_artifacts=True)
     with pytest.raises(ValueError, match="trainer.accelerator: .*got MPSAccelerator"):
         ranks.check_parallel_run(stand_in_trainer("MPSAccelerator", 1), backend=backend,

@@ -130,6 +130,16 @@ class HFCausalLM(nn.Module):
         self.register_buffer("out_bias", output_bias(
             cfg.vocab_size, None if value_head else output_token_ids), persistent=False)
 
+    def sharding_units(self) -> list[nn.Module]:
+        """The modules FSDP shards one by one (:func:`tq_plugin.rl.sharding.shard_model`): the
+        backbone's decoder layers, so one layer's full weights exist at a time in forward and
+        backward; what is left (embeddings, final norm, heads) is sharded with the whole model."""
+        inner = self.backbone
+        for name in ("model", "transformer"):  # llama-like / gpt2-like causal LMs wrap a trunk
+            inner = getattr(inner, name, inner)
+        layers = getattr(inner, "layers", None) or getattr(inner, "h", None)
+        return list(layers) if layers is not None else []
+
     def forward(
         self,
         input_ids: torch.Tensor,

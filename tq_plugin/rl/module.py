@@ -51,6 +51,7 @@ from tq_plugin.rl.generate import device_of
 from tq_plugin.rl.metrics import IS_MAX_STATS, add_is_stats, add_stats, is_metrics, rl_metrics
 from tq_plugin.rl.model import TinyTransformer, entropy, shift_values, token_logprobs
 from tq_plugin.rl.ranks import SCALED_BY_WORLD
+from tq_plugin.rl.sharding import clip_grad_norm, is_sharded, shard_model
 from tq_plugin.rl.staleness import is_correction_weights
 from tq_plugin.staging import MEDIA_IMGS_FIELD
 
@@ -144,9 +145,29 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
             groups.append({"params": self.value.parameters(), "lr": self.rc.value_lr})
         return torch.optim.Adam(groups)
 
+    def configure_model(self) -> None:
+        """Under ``ModelParallelStrategy`` (``trainer=fsdp_cpu``, ``trainer=fsdp``) shard the
+        policy and the value model with FSDP2 over the data-parallel mesh
+        (:func:`tq_plugin.rl.sharding.shard_model`); the optimizer is built afterwards, on the
+        shards. Other strategies have no mesh and leave the models whole."""
+        mesh = self.device_mesh
+        if mesh is None:
+            return
+        dp = mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
+        for model in (self.policy, self.value):
+            if model is not None:
+                shard_model(model, dp)
+
     def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer,
                                     gradient_clip_val: float | None = None,
                                     gradient_clip_algorithm: str | None = None) -> None:
+        """Clip the gradient norm over every trained parameter to 1.0. Sharded (``DTensor``)
+        gradients are clipped by their global norm (:func:`tq_plugin.rl.sharding.clip_grad_norm`:
+        each rank's shard norms summed over the mesh), which is the one-process norm."""
+        if is_sharded(self.policy):
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            clip_grad_norm(params, 1.0)
+            return
         self.clip_gradients(optimizer, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> Any:

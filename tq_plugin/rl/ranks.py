@@ -43,27 +43,33 @@ from tq_plugin.rl.metrics import rl_metrics
 # loss is divided by loss_norm / world_size): summed over ranks they count the world size once
 # too often.
 SCALED_BY_WORLD = ("loss", "value_loss")
-PARALLEL_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
+PARALLEL_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy", "ModelParallelStrategy")
+# Lightning's FSDP1 wrapper: the recipes shard with FSDP2 through ModelParallelStrategy instead.
+SHARDED_PRESETS = "trainer=fsdp_cpu (CPU ranks) or trainer=fsdp (GPUs)"
 # The cluster address the launching process hands to the DDP ranks Lightning starts.
 CLUSTER_ADDRESS_ENV = "TQ_PLUGIN_CLUSTER_ADDRESS"
 
 
 def check_parallel_run(trainer: Any, *, backend: Any, global_batch: int,
-                       save_artifacts: bool) -> None:
-    """Refuse, before anything is built, a trainer setup the recipe cannot run correctly."""
+                       save_artifacts: bool, topology: str = "colocated") -> None:
+    """Refuse, before anything is built, a trainer setup the recipe cannot run correctly.
+
+    One process per device: ``ddp`` and the sharded presets take any number of CPU ranks or
+    CUDA GPUs (``trainer.devices``), each rank training on its shard of the global batch."""
     strategy = type(trainer.strategy).__name__
+    if strategy == "FSDPStrategy":
+        raise ValueError(f"trainer.strategy=fsdp is Lightning's FSDP1 wrapper: the recipes shard "
+                         f"their models with FSDP2, use {SHARDED_PRESETS}")
     if strategy not in PARALLEL_STRATEGIES:
-        raise ValueError(f"trainer.strategy: the recipes run on one device or data-parallel "
-                         f"(auto, ddp, ddp_spawn); got {strategy}")
+        raise ValueError(f"trainer.strategy: the recipes run on one device, data-parallel "
+                         f"(auto, ddp, ddp_spawn) or sharded ({SHARDED_PRESETS}); got {strategy}")
     accelerator = type(trainer.accelerator).__name__
     world = trainer.world_size
     if accelerator not in ("CPUAccelerator", "CUDAAccelerator"):
-        raise ValueError(f"trainer.accelerator: the recipes run on the CPU or one CUDA GPU "
-                         f"(trainer=cpu, trainer=gpu); got {accelerator}")
-    if accelerator == "CUDAAccelerator" and world > 1:
-        raise ValueError(
-            f"trainer.devices: the recipes run on one CUDA GPU for now (got {world} ranks); "
-            "data-parallel runs are CPU only (trainer=ddp_cpu) until a multi-GPU run is tested")
+        raise ValueError(f"trainer.accelerator: the recipes run on the CPU or CUDA GPUs "
+                         f"(trainer=cpu, gpu, ddp_cpu, fsdp_cpu, fsdp); got {accelerator}")
+    if strategy == "ModelParallelStrategy":
+        check_sharded_run(trainer.strategy, world=world, backend=backend, topology=topology)
     if world == 1:
         return
     if global_batch % world:
@@ -84,6 +90,42 @@ def check_parallel_run(trainer: Any, *, backend: Any, global_batch: int,
             and type(trainer.strategy.launcher).__name__ == "_MultiProcessingLauncher":
         raise ValueError("recipe.save_artifacts=false with trainer.strategy=ddp_spawn: the "
                          "run's summary only reaches the launching process through result.json")
+
+
+def check_sharded_run(strategy: Any, *, world: int, backend: Any, topology: str) -> None:
+    """Refuse a ``ModelParallelStrategy`` run the recipe cannot honour, naming the key.
+
+    FSDP2 shards every parameter over the ranks, so every forward is a collective: each step's
+    rollouts and no-grad passes must run on every rank in lockstep, which the embedded store's
+    replay does (every rank generates the same step) and a rank-0-only step does not (a shared
+    store's rank 0, the disaggregated trainer's rank 0: the other ranks would never join its
+    gathers)."""
+    tp = getattr(strategy, "_tensor_parallel_size", 1)
+    if tp not in (1, "auto") or (tp == "auto" and world > 1):
+        raise ValueError(f"trainer.strategy.tensor_parallel_size={tp}: the recipes shard with "
+                         f"FSDP2 only; set it to 1")
+    dp = getattr(strategy, "_data_parallel_size", world)
+    if dp not in ("auto", world):
+        raise ValueError(f"trainer.strategy.data_parallel_size={dp} must equal the number of "
+                         f"ranks ({world}: trainer.devices x trainer.num_nodes)")
+    if world == 1:
+        return
+    if topology != "colocated":
+        raise ValueError(f"recipe.topology={topology} with a sharded trainer ({SHARDED_PRESETS}): "
+                         f"the trainer's rank 0 prepares each step alone, which FSDP's "
+                         f"collective forwards cannot; use trainer=ddp_cpu or a colocated run")
+    replayed = issubclass(get_class(backend._target_), _local_store())
+    if not replayed:
+        raise ValueError(f"tq.backend={backend._target_.rsplit('.', 1)[-1]} with a sharded "
+                         f"trainer ({SHARDED_PRESETS}): rank 0 would generate each step alone, "
+                         f"but FSDP's forwards need every rank; use tq/backend=local (every rank "
+                         f"replays the step) or trainer=ddp_cpu")
+
+
+def _local_store() -> type:
+    from tq_plugin.data_plane import LocalDataPlane
+
+    return LocalDataPlane
 
 
 def shares_rows(backend_cls: type) -> bool:

@@ -1,0 +1,179 @@
+"""FSDP2 sharding of the recipe's models, and their full weights gathered back in bounded buckets.
+
+``trainer=fsdp_cpu`` / ``trainer=fsdp`` run Lightning's ``ModelParallelStrategy``, which calls
+the module's ``configure_model`` on every rank; there :func:`shard_model` applies
+``fully_shard`` to each of a model's sharding units (``sharding_units()``: the decoder layers of
+an ``hf_causal_lm``; none for the tiny model, which is sharded whole) and then to the model
+itself, over the data-parallel mesh. Every parameter becomes a ``DTensor`` holding this rank's
+``1/N`` slice; forward and backward all-gather a unit's parameters just before it runs and free
+them after, and backward reduce-scatters (averages) the gradients, as DDP all-reduces them.
+
+Whatever needs a whole tensor (an engine's or a worker's weights, the final ``policy.safetensors``)
+reads it through :func:`iter_full_tensors`: every rank takes part in each all-gather, in the same
+order, and at most one bucket of full tensors (``bucket_bytes``, or one tensor larger than that)
+exists on a rank at once, never a second whole copy of the model.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+# 64 MiB of full tensors at most per bucket (a tensor larger than that is its own bucket).
+DEFAULT_BUCKET_BYTES = 64 << 20
+
+
+def _dtensor_cls() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch builds without distributed
+        return None
+    return DTensor
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``module``'s parameters are FSDP2 shards (``DTensor``)."""
+    cls = _dtensor_cls()
+    return cls is not None and any(isinstance(p, cls) for p in module.parameters())
+
+
+def shard_model(model: nn.Module, mesh: Any, *, mp_policy: Any = None) -> nn.Module:
+    """``fully_shard`` each of ``model.sharding_units()`` (when the model has them), then the
+    model itself, over ``mesh`` (the strategy's data-parallel mesh); a model sharded already is
+    left as it is (``configure_model`` may run again, e.g. for a later fit)."""
+    from torch.distributed.fsdp import fully_shard
+
+    if is_sharded(model):
+        return model
+    kwargs = {"mesh": mesh} | ({"mp_policy": mp_policy} if mp_policy is not None else {})
+    units = getattr(model, "sharding_units", None)
+    for unit in (units() if callable(units) else []):
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Scale the gradients of ``params`` so their global 2-norm is at most ``max_norm``; the
+    norm before clipping. Sharded gradients: the norm of each rank's shards is a partial
+    ``DTensor``, made whole (``full_tensor()``: summed over the mesh) before the scale is taken,
+    so every rank scales by the one-process factor."""
+    params = [p for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+    dtensor = _dtensor_cls()
+    if dtensor is not None and isinstance(total, dtensor):
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+def full_nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of ``tensor``'s full (gathered) value: its global shape, not this rank's shard."""
+    return tensor.numel() * tensor.element_size()
+
+
+def iter_full_tensors(named: Iterable[tuple[str, torch.Tensor]], *,
+                      bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                      device: torch.device | str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, full tensor)`` for every ``(name, tensor)`` of ``named``, in order.
+
+    ``DTensor`` shards are gathered (``full_tensor()``: a collective, so every rank iterates the
+    same names in the same order) a bucket at a time: the next bucket is gathered only once the
+    consumer has taken every tensor of this one, so a consumer that copies each tensor out and
+    drops it holds at most ``bucket_bytes`` of gathered weights (or one larger tensor). Plain
+    tensors pass through detached. ``device``: where the full tensors go (``"cpu"`` for a file),
+    by default where they were gathered.
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    dtensor = _dtensor_cls()
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+
+    def flush() -> Iterator[tuple[str, torch.Tensor]]:
+        gathered = []
+        for name, tensor in bucket:
+            tensor = tensor.detach()
+            if dtensor is not None and isinstance(tensor, dtensor):
+                tensor = tensor.full_tensor()
+            gathered.append((name, tensor if device is None else tensor.to(device)))
+        bucket.clear()
+        gathered.reverse()
+        while gathered:  # popped, so the consumer holds the only reference once it has one
+            yield gathered.pop()
+
+    for name, tensor in named:
+        nbytes = full_nbytes(tensor)
+        if bucket and size + nbytes > bucket_bytes:
+            yield from flush()
+            size = 0
+        bucket.append((name, tensor))
+        size += nbytes
+    yield from flush()
+
+
+def full_state_dict(module: nn.Module, *, rank: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+                    ) -> dict[str, torch.Tensor] | None:
+    """``module``'s parameters and persistent buffers as full CPU tensors on ``rank`` 0 (which
+    writes the file), ``None`` on the others, which take part in every gather and keep nothing."""
+    keep = rank == 0
+    out: dict[str, torch.Tensor] = {}
+    named = list(module.state_dict().items())
+    for name, tensor in iter_full_tensors(named, bucket_bytes=bucket_bytes, device="cpu"):
+        if keep:
+            out[name] = tensor
+    return out if keep else None
+
+
+def save_full_weights(module: nn.Module, path: str | Path, *, role: str, rank: int,
+                      bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Path | None:
+    """Write a sharded ``module``'s full weights to ``path`` on rank 0, in the format
+    ``tq_plugin.rl.weights.save_weights`` writes (safetensors, class and role in the header,
+    renamed over the final name); every rank must call it (the gathers are collectives)."""
+    from safetensors.torch import save_file
+
+    state = full_state_dict(module, rank=rank, bucket_bytes=bucket_bytes)
+    if state is None:
+        return None
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    cls = type(module)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp),
+              metadata={"role": role, "class": f"{cls.__module__}.{cls.__qualname__}"})
+    os.replace(tmp, path)
+    return path
+
+
+def save_final_full_weights(output_dir: str | Path, *, policy: nn.Module,
+                            value: nn.Module | None, rank: int) -> list[Path]:
+    """``policy.safetensors`` (and ``value.safetensors``) of sharded models, as
+    ``tq_plugin.rl.weights.save_final_weights`` writes them for whole ones; every rank calls
+    it, rank 0 writes (the paths written; none on the other ranks)."""
+    from tq_plugin.rl.weights import POLICY_WEIGHTS, VALUE_WEIGHTS
+
+    out = Path(output_dir)
+    models = [(policy, POLICY_WEIGHTS, "policy")] + ([(value, VALUE_WEIGHTS, "value")]
+                                                     if value is not None else [])
+    written = [save_full_weights(m, out / name, role=role, rank=rank) for m, name, role in models]
+    return [p for p in written if p is not None]
+
+
+def peak_memory_mb(device: torch.device | None = None) -> float:
+    """This process's peak memory so far: ``torch.cuda.max_memory_allocated`` on a CUDA device,
+    the peak resident set size (``VmHWM``) on the CPU."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    from tq_plugin.rl.metrics import peak_rss_mb
+
+    return peak_rss_mb()
+
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "clip_grad_norm", "full_nbytes", "full_state_dict", "is_sharded",
+           "iter_full_tensors", "peak_memory_mb", "save_final_full_weights",
+           "save_full_weights", "shard_model"]
