@@ -61,7 +61,7 @@ from tq_plugin.data_plane import (
 )
 from tq_plugin.lightning import DataPlaneCallback, MetaDataModule
 from tq_plugin.lightning.instantiators import instantiate_callbacks, instantiate_loggers
-from tq_plugin.rl import ranks
+from tq_plugin.rl import ranks, sharding
 from tq_plugin.rl.advantages import gae, group_relative, turn_end_rewards, whiten
 from tq_plugin.rl.disaggregated import Disaggregated
 from tq_plugin.rl.metrics import RESULT_FILE, MetricsLog
@@ -257,7 +257,8 @@ class RLRecipe:
         self.global_batch = self.rc.prompts_per_step * self.rc.group_size // self.rc.minibatches
         ranks.check_parallel_run(self.trainer, backend=self.cfg.tq.backend,
                                  global_batch=self.global_batch,
-                                 save_artifacts=self.rc.save_artifacts)
+                                 save_artifacts=self.rc.save_artifacts,
+                                 topology=self.rc.topology)
         self.world_size = self.trainer.world_size
         if self.world_size > 1 and self.engine_cfg.name != "native":
             raise EngineError(f"engine={self.engine_cfg.name} runs with one trainer process: "
@@ -412,6 +413,10 @@ class RLRecipe:
             self.metrics.finish(self.cfg, total, save=False)  # closes this rank's last step
             steps = self.metrics.steps
         per_rank = ranks.gather_objects((steps, total), trainer.world_size)
+        sharded = sharding.is_sharded(self.module.policy)
+        if sharded and self.rc.save_artifacts and not interrupted:  # every rank joins the gathers
+            sharding.save_final_full_weights(self.output_dir, policy=self.module.policy,
+                                             value=self.module.value, rank=trainer.global_rank)
         if not trainer.is_global_zero:
             return
         merged = ranks.merge_rank_steps([rank_steps for rank_steps, _ in per_rank])
@@ -428,7 +433,7 @@ class RLRecipe:
             self.summary = summary
         if self.rc.save_artifacts:
             self.metrics.write(self.cfg, summary)
-            if not interrupted:
+            if not interrupted and not sharded:
                 save_final_weights(self.output_dir, policy=self.module.policy,
                                    value=self.module.value)
 
