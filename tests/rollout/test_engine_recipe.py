@@ -59,7 +59,8 @@ def test_an_engine_with_its_own_weights_is_synced_before_each_step(tmp_path, eng
     (["engine=vllm"], "engine=vllm serves an HF-format policy: use model=hf_causal_lm"),
     (["engine=hf"], "engine=hf serves an HF-format policy"),
     ([*HF, "engine=hf", "tq/staging=media"], "engine=hf reads no pixels"),
-    (["model=hf_causal_lm", "engine=vllm"], "engine=vllm: vLLM's CPU attention fails on head_dim=16"),
+    (["model=hf_causal_lm", "model.n_heads=4", "engine=vllm"],
+     "engine=vllm: vLLM's CPU attention fails on head_dim=16"),
 ])
 def test_a_combination_that_cannot_run_stops_at_setup_naming_engine(tmp_path, overrides, match):
     recipe = recipe_for(tmp_path, [*overrides, *FAST])
@@ -67,3 +68,27 @@ def test_a_combination_that_cannot_run_stops_at_setup_naming_engine(tmp_path, ov
         match = "engine=vllm"
     with pytest.raises(EngineError, match=match):
         recipe.setup()
+
+
+def _unsynced_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "did a weight sync not happen" in r.getMessage()]
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_a_weight_sync_that_did_not_happen_shows(tmp_path, caplog, monkeypatch, sync):
+    """TRL #5312 trained for hours on the initial checkpoint: here an engine whose syncs are
+    dropped keeps serving step 0's weights, and the IS figures of the on-policy rows say so
+    (a warning naming rl/is_ratio_mean and rl/gen_logprob_abs_diff); synced, they stay quiet."""
+    from tq_plugin.rollout.engines.hf import HFEngine
+
+    if not sync:  # the push "succeeds" and changes nothing, as a silent non-sync does
+        monkeypatch.setattr(HFEngine, "update_weights",
+                            lambda self, weights, *, version: setattr(self, "weight_version", version))
+    caplog.set_level("WARNING", logger="tq_plugin.rl.metrics")
+    summary = run(tmp_path, [*HF, "engine=hf", *FAST, "recipe.num_steps=4", "recipe.lr=3e-2"])
+    if sync:
+        assert summary["max_logprob_gap"] < 1e-4
+        assert _unsynced_warnings(caplog) == []
+    else:
+        assert summary["max_logprob_gap"] > 0.1
+        assert _unsynced_warnings(caplog), "an unsynced engine must be reported"

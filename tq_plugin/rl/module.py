@@ -48,7 +48,14 @@ from tq_plugin.lightning.layout import POSITION_IDS, SEGMENT_IDS
 from tq_plugin.lightning.module import MICROBATCH_INFO, MetaBatchMixin
 from tq_plugin.lightning.plan import plan_step
 from tq_plugin.rl.generate import device_of
-from tq_plugin.rl.metrics import IS_MAX_STATS, add_is_stats, add_stats, is_metrics, rl_metrics
+from tq_plugin.rl.metrics import (
+    IS_MAX_STATS,
+    add_is_stats,
+    add_stats,
+    is_metrics,
+    rl_metrics,
+    warn_if_unsynced,
+)
 from tq_plugin.rl.model import TinyTransformer, entropy, shift_values, token_logprobs
 from tq_plugin.rl.ranks import SCALED_BY_WORLD
 from tq_plugin.rl.sharding import clip_grad_norm, is_sharded, shard_model
@@ -78,9 +85,14 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         self.media = media
         # Whether recipe.is_correction weights the policy loss; None: for disaggregated runs,
         # whose rows come from older weights (colocated rows come from the trained weights).
+        # The recipe also turns it on for the hf and vllm engines.
         if correct_is is None:
             correct_is = recipe.topology == "disaggregated"
         self.is_mode = recipe.is_correction.mode if correct_is else "none"
+        # Colocated rows are on-policy: their IS figures stay near 1 and 0 unless the engine
+        # serves other weights (warn_if_unsynced).
+        self.on_policy = recipe.topology != "disaggregated"
+        self._off_band_steps = 0
         self.cfg = packing.model_cfg()
         self.configure_packing(**packing.host_attributes())
         self.dp_layout = packing.layout
@@ -244,6 +256,8 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         totals = self.rank_totals(self._gb_stats)
         figures = rl_metrics(totals, 1) | is_metrics(totals)
         self._gb_stats = {}
+        if self.on_policy and totals.get("action_tokens", 0.0) > 0:
+            self._off_band_steps = warn_if_unsynced(figures, self._off_band_steps)
         if self.value is None:
             figures.pop("value_loss")
         step = int(info["step"])

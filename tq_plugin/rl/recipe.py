@@ -171,8 +171,11 @@ class RLRecipe:
         value = instantiate(self.cfg.model, value_head=True, **common) if self.ppo else None
         check_models(policy, value, vocab_size=self.task.vocab_size, layout=self.packing.layout,
                      media=self.media)
+        # The IS correction is on where the rows' generating policy is not the trained module:
+        # disaggregated workers (older weights) and the hf/vllm engines (other kernels).
+        correct_is = self.rc.topology == "disaggregated" or self.engine_cfg.name != "native"
         self.module = RLModule(policy=policy, value=value, recipe=self.rc, packing=self.packing,
-                               media=self.media)
+                               media=self.media, correct_is=correct_is)
 
     def _check_engine(self) -> None:
         """Refuse an engine that cannot serve this run, before anything starts (one
