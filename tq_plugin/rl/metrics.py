@@ -155,9 +155,14 @@ class _Step:
     entropy: float = 0.0
     tokens_per_s: float = 0.0
     sums: dict[str, float] = field(default_factory=dict)
+    # This rank's peak memory after the step's microbatches (``tq_plugin.rl.sharding.
+    # peak_memory_mb``: CUDA allocated on a GPU, RSS on the CPU); every rank's once merged.
+    peak_mem_mb: float = 0.0
+    rank_peak_mem_mb: list[float] = field(default_factory=list)
 
     def add(self, stats: Mapping[str, float], *, last_in_global_batch: bool) -> None:
         add_stats(self.sums, stats)
+        self.peak_mem_mb = max(self.peak_mem_mb, float(stats.get("peak_mem_mb", 0.0)))
         self.microbatches += 1
         self.global_batches += int(last_in_global_batch)
         for key, value in rl_metrics(self.sums, self.global_batches).items():
@@ -190,6 +195,8 @@ class _Step:
             "failed_calls": self.failed_calls,
             "logprob_gap": float(f"{self.lp_gap:.3g}"),
             "dp_bytes": self.dp_bytes,
+            **{f"peak_mem_mb_rank{r}": round(mb, 1)
+               for r, mb in enumerate(self.rank_peak_mem_mb or [self.peak_mem_mb])},
         }
 
 

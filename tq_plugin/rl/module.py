@@ -58,7 +58,7 @@ from tq_plugin.rl.metrics import (
 )
 from tq_plugin.rl.model import TinyTransformer, entropy, shift_values, token_logprobs
 from tq_plugin.rl.ranks import SCALED_BY_WORLD
-from tq_plugin.rl.sharding import clip_grad_norm, is_sharded, shard_model
+from tq_plugin.rl.sharding import clip_grad_norm, is_sharded, peak_memory_mb, shard_model
 from tq_plugin.rl.staleness import is_correction_weights
 from tq_plugin.staging import MEDIA_IMGS_FIELD
 
@@ -239,7 +239,8 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         meta = self.dp_meta
         elapsed = time.perf_counter() - self._mb_start + self.dp_batch_stats.get("layout_s", 0.0)
         self.train_seconds += elapsed
-        stats = {**self._mb_stats, "seconds": elapsed, **self.dp_batch_stats}
+        stats = {**self._mb_stats, "seconds": elapsed, **self.dp_batch_stats,
+                 "peak_mem_mb": peak_memory_mb(self.device)}
         if self.step_hook is not None:
             self.step_hook(meta, stats)
         self._log_global_batch(meta.extra_info[MICROBATCH_INFO], stats,

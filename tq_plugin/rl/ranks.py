@@ -241,7 +241,8 @@ def merge_rank_steps(per_rank: list[list[Any]]) -> list[Any]:
 
     The ranks' microbatch sums add up (tokens, clipped and action tokens, ...) and the per-step
     figures are derived again from the totals; the rollout fields are the same on every rank;
-    ``train_s`` is the slowest rank's (the ranks wait for each other every optimizer step).
+    ``train_s`` is the slowest rank's (the ranks wait for each other every optimizer step);
+    each rank's peak memory is kept, in rank order (``peak_mem_mb_rank<r>`` in ``metrics.csv``).
     """
     merged = []
     world = len(per_rank)
@@ -263,5 +264,6 @@ def merge_rank_steps(per_rank: list[list[Any]]) -> list[Any]:
             first, sums=sums, **figures, train_s=train_s,
             real_tokens=sums.get("real_tokens", 0.0), padded_tokens=sums.get("padded_tokens", 0.0),
             microbatches=sum(r.microbatches for r in records),
+            rank_peak_mem_mb=[r.peak_mem_mb for r in records],
             dp_bytes=sum(r.dp_bytes for r in records)))
     return merged
