@@ -16,7 +16,7 @@ endif
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-fast bench sweep clean
+.PHONY: install run test test-fast bench sweep tiny-model clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +28,7 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_SPEC)
-	$(PY) -m pip install --quiet -e '.[test,ray,tq,hf,tensorboard]'
+	$(PY) -m pip install --quiet -e '.[test,ray,tq,hf,tensorboard,prompts,wandb,mlflow,joblib]'
 	-$(PY) -m pip install --quiet --no-deps --ignore-requires-python nemo-gym==0.7.0
 	$(PY) -m pip install --quiet $(VLLM_SPEC)
 	$(if $(VLLM_BROKEN),$(PY) -m pip uninstall --quiet -y $(VLLM_BROKEN))
@@ -44,6 +44,12 @@ run: $(STAMP)
 # One multirun over the packing settings; the comparison lands in the sweep dir.
 sweep: $(STAMP)
 	$(VENV)/bin/tq-train -m tq/packing=none,sequence_packing,dynamic_batching tq.packing.train_mb_tokens=256,1024 recipe.seed=0,1,2 recipe.num_steps=30
+
+# The text task's data, a tokenizer trained on it and a random-init HF causal LM (no download);
+# the last line printed is the model dir (TINY_OUT/model).
+TINY_OUT ?= outputs/tiny_text
+tiny-model: $(STAMP)
+	$(PY) -m tq_plugin.rl.tiny_model --out $(TINY_OUT)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

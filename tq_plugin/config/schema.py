@@ -252,6 +252,47 @@ class TaskConfig:
             _fail("task.min_len", f"must be <= task.max_len ({self.max_len}), got {self.min_len}")
 
 
+def _default_reward() -> dict[str, Any]:
+    return {"_target_": "tq_plugin.rl.rewards.exact_match", "weight": 1.0}
+
+
+@dataclass
+class PromptsTaskConfig:
+    """``task=prompts``: prompts from a local dataset file (json/jsonl, parquet, csv), a tokenizer
+    directory and reward functions ``f(prompts, completions, **columns) -> list[float]``
+    (``tq_plugin.rl.prompts``, ``tq_plugin.rl.rewards``)."""
+
+    _target_: str = "tq_plugin.rl.prompts.PromptTask"
+    # The reward specs are passed as they are (the task imports and checks them).
+    _recursive_: bool = False
+    name: str = "prompts"
+    path: str | None = None
+    prompt_key: str = "prompt"
+    # A local tokenizer directory; the config's default is model.pretrained_path.
+    tokenizer: str | None = None
+    # One reward {_target_, weight}; more under rewards.<name>; a rollout's reward is their
+    # weighted sum.
+    reward: Any = field(default_factory=_default_reward)
+    rewards: Any = field(default_factory=dict)
+    # The held-out split: its own file, else eval_size rows held out of path.
+    eval_path: str | None = None
+    eval_size: int = 0
+    turns: int = 1
+    feedback_good: str = " Correct."
+    feedback_bad: str = " Try again."
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("task.turns", self.turns)
+        _positive("task.eval_size", self.eval_size, allow_zero=True)
+        if not self.prompt_key:
+            _fail("task.prompt_key", "must name the dataset column that holds the prompts")
+        for key, spec in (("task.reward", self.reward),
+                          *((f"task.rewards.{k}", v) for k, v in (self.rewards or {}).items())):
+            if spec is not None and not isinstance(spec, dict):
+                _fail(key, f"must be a {{_target_, weight}} node, got {spec!r}")
+
+
 @dataclass
 class ModelConfig:
     """``model``: the policy (and, for PPO, value) network."""
@@ -375,9 +416,13 @@ class RecipeConfig:
     # "optimizer_step" (the newest weights reach them soonest) or once per "rl_step" (a
     # quarter of the transfers with 4 PPO epochs: for models whose refit is costly).
     weights_every: str = "optimizer_step"
+    # Greedy completions of the task's held-out prompts every eval_every RL steps and after the
+    # last (eval/reward, eval/accuracy; the final one in result.json); 0: never.
+    eval_every: int = 0
 
     def __post_init__(self) -> None:
         _one_of("recipe.algorithm", self.algorithm, ALGORITHMS)
+        _positive("recipe.eval_every", self.eval_every, allow_zero=True)
         _one_of("recipe.topology", self.topology, TOPOLOGIES)
         _one_of("recipe.worker_staging", self.worker_staging, ("local", "shared"))
         _one_of("recipe.weights_every", self.weights_every, ("optimizer_step", "rl_step"))
@@ -467,7 +512,8 @@ SCHEMAS: dict[str, type] = {
 # Schemas of options that differ from their group's default schema.
 EXTRA_SCHEMAS: dict[str, type] = {"backend_ray": RayBackendConfig,
                                   "backend_transferqueue": TransferQueueBackendConfig,
-                                  "model_hf_causal_lm": HFCausalLMConfig}
+                                  "model_hf_causal_lm": HFCausalLMConfig,
+                                  "task_prompts": PromptsTaskConfig}
 
 # Schemas are stored as root configs, not in a group: a group would be listed in every Hydra
 # app's --help (the plugin registers them on every start), and a schema is not an option.

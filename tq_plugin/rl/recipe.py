@@ -44,7 +44,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from omegaconf import DictConfig, open_dict
 
-from tq_plugin.config import PackingConfig, RecipeConfig, validate_config
+from tq_plugin.config import ConfigError, PackingConfig, RecipeConfig, validate_config
 from tq_plugin.config.schema import EngineConfig
 from tq_plugin.data_plane import (
     ADVANTAGES,
@@ -64,11 +64,13 @@ from tq_plugin.lightning.instantiators import instantiate_callbacks, instantiate
 from tq_plugin.rl import ranks, sharding
 from tq_plugin.rl.advantages import gae, group_relative, turn_end_rewards, whiten
 from tq_plugin.rl.disaggregated import Disaggregated
+from tq_plugin.rl.evaluation import EVAL, EvalLog, evaluate
 from tq_plugin.rl.metrics import RESULT_FILE, MetricsLog
 from tq_plugin.rl.model_protocol import check_models
 from tq_plugin.rl.module import RLModule
+from tq_plugin.rl.prompts import TaskState
 from tq_plugin.rl.step_callbacks import RL_STEP, RLStepCallback, SigtermStop
-from tq_plugin.rl.task import EOS, IMG, PAD
+from tq_plugin.rl.task import IMG
 from tq_plugin.rl.weights import (
     engine_weights,
     hf_backbone,
@@ -141,6 +143,9 @@ class RLRecipe:
             torch.set_num_threads(self.rc.num_threads)
         torch.manual_seed(self.rc.seed)
         self.task = instantiate(self.cfg.task, media=self.media, seed=self.rc.seed)
+        if self.rc.topology == "disaggregated" and hasattr(self.task, "state_dict"):
+            raise ConfigError(f"task={self.task.name} runs with recipe.topology=colocated (the "
+                              f"rollout workers build the pattern task)")
         # One rollout stream for the run, the same on every rank (see tq_plugin.rl.ranks).
         self.generator = torch.Generator().manual_seed(self.rc.seed + 1009)
         self.summary: dict[str, Any] | None = None
@@ -250,7 +255,9 @@ class RLRecipe:
         self.sigterm_checkpoint = self.output_dir / "checkpoints" / "sigterm.ckpt"
         max_steps = self.rc.num_steps * self.rc.ppo_epochs * self.rc.minibatches
         self.sigterm = SigtermStop(self.sigterm_checkpoint)
-        callbacks = [self.callback, self.step_callback, self.sigterm,
+        # The task's own state (task=prompts: its dataset cursor) rides the checkpoint too.
+        own = [TaskState(self.task)] if hasattr(self.task, "state_dict") else []
+        callbacks = [self.callback, self.step_callback, self.sigterm, *own, EvalLog(),
                      *([self.disaggregated] if self.disaggregated else []), *instantiate_callbacks(
             self.cfg.get("callbacks"),
             progress_bar=bool(self.cfg.trainer.get("enable_progress_bar", True)))]
@@ -307,12 +314,14 @@ class RLRecipe:
         client = self.module.dp_client
         self.sink = instantiate(self.cfg.tq.staging)(client)
         self.worker = RolloutWorker(task=self.task, sink=self.sink, temperature=self.rc.temperature,
-                                    max_new_tokens=self.rc.max_new_tokens, stop_token_id=EOS,
+                                    max_new_tokens=self.rc.max_new_tokens,
+                                    stop_token_id=self.task.eos_token_id,
                                     allowed_token_ids=self.task.output_token_ids)
         if self.engine is None:
             self.engine = self._build_engine()
         self.reassembler = RolloutReassembler(client, staging_partition=self.sink.staging_partition,
-                                              capture_media=self.media, pad_token_id=PAD,
+                                              capture_media=self.media,
+                                              pad_token_id=self.task.pad_token_id,
                                               clear_staged=True)
 
     # ------------------------------------------------------------------ one RL step
@@ -329,6 +338,7 @@ class RLRecipe:
             self._setup_data_path()
         m = self.module
         self._sync_engine(step)
+        evaluated = self._evaluate() if self.rc.eval_every and step % self.rc.eval_every == 0 else {}
         t0 = time.perf_counter()
         batch = self.worker.run(self.engine, step=step, prompts=self.rc.prompts_per_step,
                                 group_size=self.rc.group_size, generator=self.generator)
@@ -347,12 +357,16 @@ class RLRecipe:
             "rewards": batch.rewards.tolist(), "turn_scores": batch.turn_scores.tolist(),
             "rollout_s": t1 - t0,
             "prepare_s": time.perf_counter() - t1, "failed_calls": batch.failed_calls,
-            "lp_gap": lp_gap,
+            "lp_gap": lp_gap, **({EVAL: evaluated} if evaluated else {}),
         }
         if self.replicated:
             meta = ranks.replica_shard(meta, m.dp_client, strategy=self.trainer.strategy,
                                        global_batch=self.global_batch)
         return meta
+
+    def _evaluate(self) -> dict[str, float]:
+        """``recipe.eval_every``: the task's held-out prompts, greedy, on the engine's weights."""
+        return evaluate(self.task, self.engine, max_new_tokens=self.rc.max_new_tokens)
 
     def _check_rows(self, meta: KVBatchMeta) -> tuple[int, float]:
         """``(action tokens, logprob gap)``. The gap is the largest difference between the
@@ -426,6 +440,12 @@ class RLRecipe:
         self.metrics.steps = self.step_callback.restored + merged
         summary = self.metrics.summary(sum(t for _, t in per_rank))
         summary["engine"] = self.engine_cfg.name
+        if self.rc.eval_every and not interrupted and self.engine is not None:
+            self._sync_engine(self.rc.num_steps)  # the trained weights
+            summary[EVAL] = self._evaluate()
+            for logger in trainer.loggers:
+                logger.log_metrics({f"eval/{k}": v for k, v in summary[EVAL].items()},
+                                   step=trainer.global_step)
         if self.weight_sync_s:
             summary["weight_syncs"] = len(self.weight_sync_s)
             summary["weight_sync_s_median"] = round(sorted(self.weight_sync_s)[

@@ -29,6 +29,11 @@ class Episode:
 
 
 class PatternTask:
+    # The token ids the rollout worker, reassembler and models are given.
+    eos_token_id = EOS
+    pad_token_id = PAD
+    image_token_id = IMG
+
     def __init__(
         self,
         *,
@@ -108,6 +113,22 @@ class PatternTask:
         valid = pos < torch.minimum(response_lens, target_lens).unsqueeze(1)
         hits = ((r == t) & valid).sum(1).float()
         return hits / torch.maximum(response_lens, target_lens).clamp(min=1).float()
+
+    def evaluate(self, generate, *, max_new_tokens: int, size: int = 64) -> dict[str, float]:
+        """First-turn scores of greedy completions (``generate(prompts) -> [ids]``) of ``size``
+        episodes drawn from a generator of their own (the same every time, never trained on
+        as such): ``{"reward": mean, "accuracy": fraction matched in full}``."""
+        if self.media:
+            return {}  # the engines that read pixels take them per call, not here
+        episodes = self.sample(size, torch.Generator().manual_seed(987_654_321))
+        outs = [o[:-1] if o and o[-1] == EOS else o for o in generate([e.prompt for e in episodes])]
+        padded = torch.nn.utils.rnn.pad_sequence(
+            [torch.tensor(o if o else [PAD]) for o in outs], batch_first=True)
+        targets = torch.nn.utils.rnn.pad_sequence(
+            [torch.tensor(e.target) for e in episodes], batch_first=True)
+        scores = self.score(padded, torch.tensor([len(o) for o in outs]), targets,
+                            torch.tensor([len(e.target) for e in episodes]))
+        return {"reward": float(scores.mean()), "accuracy": float((scores >= 1.0).float().mean())}
 
     @staticmethod
     def feedback(scores: torch.Tensor) -> list[list[int]]:
