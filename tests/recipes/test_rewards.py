@@ -62,6 +62,8 @@ def test_shipped_rewards():
     assert exact_match(PROMPTS, COMPLETIONS, **COLUMNS) == [1.0, 0.0]
     assert token_match(PROMPTS, COMPLETIONS, **COLUMNS) == [1.0, pytest.approx(2 / 3)]
     assert token_match(PROMPTS, ["", "c d"], answer=["b a", "d c"]) == [0.0, 0.0]
+    # Filler whitespace is an empty word, a miss.
+    assert token_match(PROMPTS, [" b  a", "d c "], answer=["b a", "d c"]) == [pytest.approx(1 / 3), 1.0]
 
 
 @pytest.mark.parametrize(("fn", "message"), [

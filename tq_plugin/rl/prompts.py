@@ -228,7 +228,9 @@ class PromptTask:
 
     def reward_rows(self, rows: Sequence[Mapping[str, Any]], responses: torch.Tensor,
                     response_lens: torch.Tensor) -> list[float]:
-        completions = [self.tokenizer.decode(r[:n].tolist(), skip_special_tokens=True)
+        # Special tokens stay in the text (EOS is already cut off): a reward sees every token
+        # the policy emitted, so filler tokens that decode to nothing cannot pad an answer.
+        completions = [self.tokenizer.decode(r[:n].tolist(), skip_special_tokens=False)
                        for r, n in zip(responses, response_lens.tolist())]
         prompts = [prompt_text(r[self.prompt_key]) for r in rows]
         columns = {k: [r[k] for r in rows] for k in rows[0] if k != self.prompt_key}

@@ -129,11 +129,13 @@ def exact_match(prompts: list[str], completions: list[str], answer: list[Any],
 
 def token_match(prompts: list[str], completions: list[str], answer: list[Any],
                 **_: Any) -> list[float]:
-    """Per completion: whitespace-separated tokens equal to ``answer``'s at the same position,
-    over the longer of the two (a wrong length counts as misses); 1.0 is an exact match."""
+    """Per completion: space-separated words equal to ``answer``'s at the same position, over
+    the longer of the two (a wrong length counts as misses); 1.0 is an exact match. Split on
+    single spaces after stripping the ends, so a run of spaces is an empty word, a miss: a
+    policy cannot pad its answer with whitespace tokens for free."""
     out = []
     for completion, target in zip(completions, answer):
-        got, want = completion.split(), str(target).split()
+        got, want = completion.strip().split(" "), str(target).strip().split(" ")
         hits = sum(g == w for g, w in zip(got, want))
         out.append(hits / max(len(got), len(want), 1))
     return out
