@@ -42,3 +42,29 @@ def run_process_tree() -> Callable[..., tuple[subprocess.CompletedProcess, list,
         return completed, list(started.values()), left
 
     return run
+
+
+# What a launcher (torchrun, Lightning's DDP) leaves in the environment; a run started from a
+# test must not inherit it, or its ranks join the wrong world.
+LAUNCHER_VARS = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_", "GLOBAL_RANK")
+
+
+@pytest.fixture
+def launcher_free_env() -> dict[str, str]:
+    """This process's environment without the launcher's variables."""
+    import os
+
+    return {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_VARS)}
+
+
+@pytest.fixture
+def fresh_hydra():
+    """Hydra's global state cleared around the test; Lightning's info lines quiet."""
+    import logging
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    GlobalHydra.instance().clear()
+    yield
+    GlobalHydra.instance().clear()

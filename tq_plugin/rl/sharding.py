@@ -130,6 +130,12 @@ def full_state_dict(module: nn.Module, *, rank: int, bucket_bytes: int = DEFAULT
     return out if keep else None
 
 
+def unsharded_class(module: nn.Module) -> type:
+    """``module``'s own class: ``fully_shard`` swaps it for a subclass ``FSDP<name>``."""
+    return next(c for c in type(module).__mro__
+                if not c.__module__.startswith("torch.distributed.fsdp"))
+
+
 def save_full_weights(module: nn.Module, path: str | Path, *, role: str, rank: int,
                       bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Path | None:
     """Write a sharded ``module``'s full weights to ``path`` on rank 0, in the format
@@ -143,7 +149,7 @@ def save_full_weights(module: nn.Module, path: str | Path, *, role: str, rank: i
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    cls = type(module)
+    cls = unsharded_class(module)
     save_file({k: v.contiguous() for k, v in state.items()}, str(tmp),
               metadata={"role": role, "class": f"{cls.__module__}.{cls.__qualname__}"})
     os.replace(tmp, path)
@@ -176,4 +182,4 @@ def peak_memory_mb(device: torch.device | None = None) -> float:
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "clip_grad_norm", "full_nbytes", "full_state_dict", "is_sharded",
            "iter_full_tensors", "peak_memory_mb", "save_final_full_weights",
-           "save_full_weights", "shard_model"]
+           "save_full_weights", "shard_model", "unsharded_class"]
