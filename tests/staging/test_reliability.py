@@ -28,7 +28,7 @@ from tq_plugin.staging import (
     staging_key,
     verify_and_linearize,
 )
-from tq_plugin.staging.reassembler import REASSEMBLED_FIELDS
+from tq_plugin.staging.reassembler import REASSEMBLED_FIELDS, FinalizeRetryError
 
 TEXT_PARTITION = "rollout_staging"
 TRAIN = "train"
@@ -133,14 +133,22 @@ class _ClearThenRaise:
             raise ConnectionError("clear applied, reply lost")
 
 
-def test_a_retried_finalize_after_the_clear_raised_keeps_every_rollout(client, chain) -> None:
+def _staged_group(client, chain, calls_per_rollout) -> list:
+    """The receipts of rollouts ``r0, r1, ...`` staged whole (one list of calls each), with the
+    train partition registered."""
     client.inner.register_partition(partition_id=TRAIN, fields=list(REASSEMBLED_FIELDS))
     sink = TQTokenSink(client, staging_partition=TEXT_PARTITION)
     receipts = []
-    for i in range(3):
-        records = chain(f"r{i}", [([1, 2], [3], [-0.5]), ([4], [5 + i], [-0.25])])
+    for i, calls in enumerate(calls_per_rollout):
+        records = chain(f"r{i}", calls)
         assert all(sink.stage(r).ok for r in records)
         receipts.append(make_rollout_receipt(records, reward=float(i)))
+    return receipts
+
+
+def test_a_retried_finalize_after_the_clear_raised_keeps_every_rollout(client, chain) -> None:
+    receipts = _staged_group(client, chain, [[([1, 2], [3], [-0.5]), ([4], [5 + i], [-0.25])]
+                                             for i in range(3)])
     flaky = _ClearThenRaise(client)
     reassembler = RolloutReassembler(flaky, staging_partition=TEXT_PARTITION, clear_staged=True)
     with pytest.raises(ConnectionError):
@@ -153,6 +161,26 @@ def test_a_retried_finalize_after_the_clear_raised_keeps_every_rollout(client, c
     )
     assert td["sample_mask"].tolist() == [1.0] * 3
     assert td["input_ids"][2].tolist() == [1, 2, 3, 4, 7]
+    assert _live(client) == []
+
+
+def test_a_retry_after_the_rows_were_consumed_raises_and_writes_no_placeholder(
+    client, chain
+) -> None:
+    """The first attempt's write and clear landed, its reply did not; by the time it is
+    retried the trainer has consumed the rows and cleared them. The retry cannot return them
+    (nor re-read the staged calls the first attempt cleared): it raises, and writes nothing."""
+    receipts = _staged_group(client, chain, [[([1, 2], [3], [-0.5])]] * 2)
+    flaky = _ClearThenRaise(client)
+    reassembler = RolloutReassembler(flaky, staging_partition=TEXT_PARTITION, clear_staged=True)
+    with pytest.raises(ConnectionError):
+        reassembler.finalize_group(receipts, partition_id=TRAIN)
+    written = _live(client, TRAIN)
+    assert len(written) == 2
+    client.inner.clear_samples(sample_ids=written, partition_id=TRAIN)  # consumed
+    with pytest.raises(FinalizeRetryError, match="finalized into partition 'train' already"):
+        reassembler.finalize_group(receipts, partition_id=TRAIN)
+    assert _live(client, TRAIN) == []  # no placeholder rows
     assert _live(client) == []
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -86,6 +87,16 @@ def _preflight_status(receipt: Any) -> str | None:
     return None
 
 
+class FinalizeRetryError(RuntimeError):
+    """A ``finalize_group`` retried after the rows its earlier attempt wrote have left the
+    partition (consumed and cleared): they cannot be returned, and finalizing afresh from
+    staged calls that attempt cleared would turn complete rollouts into placeholders."""
+
+
+# How many finalized groups a reassembler remembers (their origins) to recognise a late retry.
+_REMEMBERED_GROUPS = 4096
+
+
 class RolloutReassembler:
     """Finalize groups of rollouts from a staging partition into a training partition."""
 
@@ -110,6 +121,7 @@ class RolloutReassembler:
         self.pad_token_id = pad_token_id
         self.reward_field = reward_field
         self.clear_staged = clear_staged
+        self._finalized: OrderedDict[tuple[str, tuple[str, ...]], None] = OrderedDict()
 
     def finalize_group(
         self,
@@ -131,7 +143,10 @@ class RolloutReassembler:
         landed (the clear or the reply failed) returns the rows as written and only redoes
         the clear. A read whose outcome is unknown (``StagingReadError``: a transport fault,
         a short result) raises instead of becoming a ``fetch_failed`` placeholder; only a row
-        the store reports missing, or one that does not verify, becomes a placeholder.
+        the store reports missing, or one that does not verify, becomes a placeholder. A retry
+        of a group this reassembler wrote whose rows have since been consumed and cleared
+        raises ``FinalizeRetryError`` and writes nothing (the rows cannot be returned, and its
+        staged calls are gone).
         """
         receipts = list(receipts)
         if not receipts:
@@ -145,7 +160,15 @@ class RolloutReassembler:
             )
         live = [i for i, o in enumerate(outcomes) if o.status == STATUS_OK]
         origins = [_origin(sid, r, o) for sid, r, o in zip(ids, receipts, outcomes)]
+        group = (partition_id, tuple(origins))
         done = self._already_written(ids, partition_id, origins)
+        if done is None and group in self._finalized:
+            raise FinalizeRetryError(
+                f"finalize_group: this group ({len(ids)} rollouts, first {ids[0]!r}) was "
+                f"finalized into partition {partition_id!r} already and its rows have left it "
+                "since (consumed and cleared); a retry cannot return them and would make "
+                "placeholders of complete rollouts: use the first attempt's rows"
+            )
         if done is not None:
             # A retry after the write landed (the clear or the reply failed): the rows stand
             # as written; re-reading staged rows a previous attempt may have cleared would
@@ -191,9 +214,15 @@ class RolloutReassembler:
                 for o, origin in zip(outcomes, origins)
             ],
         )
+        self._remember(group)
         if self.clear_staged:
             self._clear(receipts, live)
         return meta
+
+    def _remember(self, group: tuple[str, tuple[str, ...]]) -> None:
+        self._finalized[group] = None
+        while len(self._finalized) > _REMEMBERED_GROUPS:
+            self._finalized.popitem(last=False)
 
     def _clear(self, receipts: list[Any], live: list[int]) -> None:
         """Drop the group's staged rows (idempotent: a retry clears what is left)."""
