@@ -416,6 +416,9 @@ class RecipeConfig:
     # "optimizer_step" (the newest weights reach them soonest) or once per "rl_step" (a
     # quarter of the transfers with 4 PPO epochs: for models whose refit is costly).
     weights_every: str = "optimizer_step"
+    # A checkpoint (checkpoints/rl-step-<n>.ckpt and last.ckpt) after every K-th RL step, any
+    # topology: what a run killed without a SIGTERM resumes from (ckpt_path). null or 0: off.
+    checkpoint_every: int | None = None
     # Greedy completions of the task's held-out prompts every eval_every RL steps and after the
     # last (eval/reward, eval/accuracy; the final one in result.json); 0: never.
     eval_every: int = 0
@@ -436,6 +439,11 @@ class RecipeConfig:
                 _fail("recipe.is_correction", f"unknown key(s) {unknown}")
             self.is_correction = ISCorrectionConfig(**self.is_correction)
         _positive("recipe.num_threads", self.num_threads, allow_zero=True)
+        if self.checkpoint_every is not None:
+            if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int):
+                _fail("recipe.checkpoint_every", "must be a whole number of RL steps or null, "
+                      f"got {self.checkpoint_every!r}")
+            _positive("recipe.checkpoint_every", self.checkpoint_every, allow_zero=True)
         for key in ("num_steps", "prompts_per_step", "group_size", "ppo_epochs", "minibatches",
                     "lr", "max_new_tokens", "temperature", "log_every"):
             _positive(f"recipe.{key}", getattr(self, key))

@@ -7,11 +7,20 @@ claims the rows they deliver into the shared ``rollouts`` partition (task ``asyn
 books deliveries, watches the workers (a dead one is reported and its undelivered tickets go to
 the others), and assembles each step's rows under the staleness bound, copying each admitted
 chunk into the trainer's own store.
+
+Step ``s`` trains exactly the prompt-stream slots the ledger assigns it (``TicketLedger.slots``):
+a chunk that arrives early waits in the buffer for its step, a chunk of a slot already held or
+trained (a dead worker's rows landing after its ticket was reassigned) is cleared and counted
+(``rows_duplicate``), a dropped chunk's slot is ordered again. So every prompt group of steps
+``0..N-1`` trains once, whatever the workers' speeds, deaths or a resume (``restart``: the
+orders in flight died with the previous run's store; their slots are ordered again and draw the
+same prompts).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import time
 from typing import Any
@@ -25,6 +34,7 @@ from tq_plugin.rl.workers import (
     FAILED_TAG,
     GENERATE_TASK,
     ROLLOUTS_PARTITION,
+    SLOT_TAG,
     TICKET_FIELDS,
     TICKET_TAG,
     TURN_REWARDS,
@@ -40,6 +50,7 @@ from tq_plugin.staging.reassembler import FINALIZED_FIELDS_TAG
 
 log = logging.getLogger(__name__)
 READY_TASK = "async_ready"
+_PROMPT_IN_ID = re.compile(r"-p(\d+)-g\d+$")  # a rollout id's prompt index within its chunk
 
 
 class ChunkCollector:
@@ -66,6 +77,9 @@ class ChunkCollector:
                                    max_staleness=max_staleness)
         self.filter = StalenessFilter(max_staleness)
         self.buffer: list[KVBatchMeta] = []  # claimed chunks not trained yet, one meta each
+        self.open_from = 0  # the first slot not trained yet
+        self.received: set[int] = set()  # slots >= open_from held in the buffer or taken
+        self.rows_duplicate = 0
         self.procs = procs
         self.workers_lost = 0
         self.waited_s = 0.0
@@ -91,7 +105,8 @@ class ChunkCollector:
                 fields={"ticket": torch.tensor([t.ticket for t in mine]),
                         "target": torch.tensor([t.target for t in mine]),
                         "min_version": torch.tensor([t.min_version for t in mine]),
-                        "prompts": torch.full((len(mine),), self.chunk_prompts)})
+                        "prompts": torch.full((len(mine),), self.chunk_prompts),
+                        "slot": torch.tensor([t.slot for t in mine])})
 
     def check_workers(self) -> None:
         """Report each newly dead worker (a ``WorkerHandle`` whose ``exitcode`` is set: it
@@ -138,8 +153,14 @@ class ChunkCollector:
                 raise RuntimeError(f"ticket {ticket}: claimed {len(rows)} rows, expected "
                                    f"{self.chunk_rows} (whole groups)")
             self.ledger.delivered(ticket)
-            self.buffer.append(meta.subset(rows))
-        self.buffer.sort(key=lambda m: m.tags[0][VERSION_TAG])  # oldest first: least dropped
+            chunk = meta.subset(rows)
+            slot = int(chunk.tags[0][SLOT_TAG])
+            if slot < self.open_from or slot in self.received:  # its prompts are held already
+                self.writer.submit(self.client.clear_samples, chunk.sample_ids, ROLLOUTS_PARTITION)
+                self.rows_duplicate += chunk.size
+                continue
+            self.received.add(slot)
+            self.buffer.append(chunk)
         return meta.size
 
     def _take(self, chunk: KVBatchMeta) -> KVBatchMeta:
@@ -153,29 +174,49 @@ class ChunkCollector:
         self.writer.submit(self.client.clear_samples, chunk.sample_ids, ROLLOUTS_PARTITION)
         return local
 
+    def restart(self, step: int, next_ticket: int) -> None:
+        """A resumed run's first step is ``step``: nothing is held or ordered (the previous
+        run's workers and shared store are gone), tickets number on from ``next_ticket``."""
+        self.ledger.restart(step, next_ticket)
+        self.open_from = self.ledger.slots(step).start
+        self.received.clear()
+        self.buffer.clear()
+
+    def prompt_groups(self, chunk: KVBatchMeta) -> list[int]:
+        """The prompt-stream indices of a chunk's groups (``slot * chunk_prompts + i``)."""
+        base = int(chunk.tags[0][SLOT_TAG]) * self.chunk_prompts
+        return sorted({base + int(_PROMPT_IN_ID.search(sid).group(1)) for sid in chunk.sample_ids})
+
     def collect(self, step: int) -> tuple[list[KVBatchMeta], dict[str, Any]]:
-        """This step's chunks (``rows_per_step`` rows, whole groups) and their figures."""
+        """This step's chunks (its slots, in slot order: ``rows_per_step`` rows, whole groups)
+        and their figures."""
         self.send(self.ledger.issue(step))
+        want = set(self.ledger.slots(step))
         chunks: list[KVBatchMeta] = []
-        have = dropped = calls = failed = 0
+        dropped = calls = failed = 0
         self.waited_s = 0.0
         while True:
-            while self.buffer and have < self.rows_per_step:
-                chunk = self.buffer.pop(0)
+            for chunk in [c for c in self.buffer if int(c.tags[0][SLOT_TAG]) in want]:
+                self.buffer.remove(chunk)
                 tag = chunk.tags[0]
+                slot = int(tag[SLOT_TAG])
                 calls += int(tag[CALLS_TAG])
                 if not self.filter.admits(step, int(tag[VERSION_TAG]), chunk.size):
                     self.writer.submit(self.client.clear_samples, chunk.sample_ids, ROLLOUTS_PARTITION)
                     dropped += chunk.size
-                    self.send(self.ledger.replace(step, 1))
+                    self.received.discard(slot)
+                    self.send([self.ledger.replace(slot)])
                     continue
                 failed += int(tag[FAILED_TAG])
                 chunks.append(self._take(chunk))
-                have += chunk.size
-            if have >= self.rows_per_step:
+                want.discard(slot)
+            if not want:
                 break
             self.check_workers()
             self.claim(blocking=True)
+        chunks.sort(key=lambda c: int(c.tags[0][SLOT_TAG]))
+        self.open_from = self.ledger.slots(step).stop
+        self.received = {s for s in self.received if s >= self.open_from}
         lags = [step - int(c.tags[0][VERSION_TAG]) for c in chunks for _ in range(c.size)]
         now = time.perf_counter()
         figures = {
@@ -183,6 +224,7 @@ class ChunkCollector:
             "rows_dropped_stale": dropped, "trainer_wait_s": round(self.waited_s, 4),
             "rollout_calls_per_s": round(calls / max(now - self._last_ready, 1e-9), 2),
             "workers_alive": len(self.ledger.alive), "failed_calls": failed,
+            "prompt_groups": [g for c in chunks for g in self.prompt_groups(c)],
         }
         self._last_ready = now
         return chunks, figures

@@ -36,13 +36,27 @@ writes then stay in the trainer's process). What the trainer does with the rows:
    steps (last-20-step reward 0.19 against 0.47 colocated), a cap of 1.0 matched colocated.
 
 Tickets (``tq_plugin.rl.staleness.TicketLedger``): the trainer orders chunks of
-``prompts_per_step / K`` prompts (whole groups) aimed at steps up to ``s + S``, each to the
-least-loaded live worker. A worker that dies is reported (stderr and ``workers_lost`` in
+``prompts_per_step / K`` prompts (whole groups; each a slot of the run's prompt stream, whose
+prompts the slot seeds) aimed at steps up to ``s + S``, each to the least-loaded live worker;
+step ``s`` trains exactly its own slots (``ChunkCollector``), and ``prompt_groups.jsonl`` records
+the prompt-stream indices each trained step held. A worker that dies is reported (stderr and ``workers_lost`` in
 ``result.json``); the rows it delivered stay in the store and train, the tickets it had not
 delivered go to the others, and once no worker is left the run stops with an error. The trainer
 stopping (end of fit, an exception, SIGTERM) stops the workers; when the trainer process dies
 Ray kills its worker actors (they are not detached; a spawned worker whose parent is gone exits
 on its own).
+
+**Resume** (``ckpt_path``; ``recipe.checkpoint_every=K`` writes ``checkpoints/last.ckpt`` every
+K steps, SIGTERM ``checkpoints/sigterm.ckpt``): the trainer's checkpoint holds its weights, the
+resume cursor and its own store (the step it was training or had prepared, rows included:
+``DataPlaneCallback``), and this class's state: the next ticket number, the drop/duplicate/loss
+counts, the figures of the unfinished steps. The shared store and the workers are not kept: the
+resumed trainer opens a new store, publishes its weights as the version of the steps it has
+finished, starts new workers, and orders again every slot from the first step it prepares (the
+rows in flight died with the old store; a slot draws the same prompts whoever generates it), with
+ticket numbers above every one used before (row ids are built from them). So every prompt group
+of steps ``0..num_steps-1`` trains exactly once across the runs, and the staleness bound holds
+(``tests/recipes/test_async_resume.py``).
 
 metrics.csv gains ``staleness_max``, ``staleness_mean``, ``rows_dropped_stale``,
 ``trainer_wait_s`` (time blocked in claims), ``rollout_calls_per_s`` (staged calls delivered
@@ -62,6 +76,7 @@ step trains the one-process global batch.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import sys
 import time
@@ -94,6 +109,7 @@ from tq_plugin.rl.workers import (
 )
 
 log = logging.getLogger(__name__)
+PROMPT_GROUPS_FILE = "prompt_groups.jsonl"
 ASYNC_COLUMNS = ("staleness_max", "staleness_mean", "rows_dropped_stale", "trainer_wait_s",
                  "rollout_calls_per_s", "workers_alive")
 
@@ -107,7 +123,13 @@ class _AsyncStep(_Step):
 
 
 class AsyncMetricsLog(MetricsLog):
-    """``MetricsLog`` whose rows carry the disaggregated columns (set by ``prepare_step``)."""
+    """``MetricsLog`` whose rows carry the disaggregated columns (set by ``prepare_step``).
+
+    ``write`` adds ``prompt_groups.jsonl``: per trained step, the prompt-stream indices of the
+    groups it trained and its ``staleness_max`` (what a resumed run's record is checked by).
+    """
+
+    step_type = _AsyncStep  # what RLStepCallback rebuilds the checkpointed records as
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -129,6 +151,13 @@ class AsyncMetricsLog(MetricsLog):
         out["trainer_wait_s"] = round(sum(e.get("trainer_wait_s", 0.0) for e in extras), 3)
         return out
 
+    def write(self, cfg: Any, summary: dict[str, Any]) -> None:
+        super().write(cfg, summary)
+        lines = [json.dumps({"step": s.step, "prompt_groups": s.extra.get("prompt_groups", []),
+                             "staleness_max": s.extra.get("staleness_max", 0)})
+                 for s in self.steps if isinstance(s, _AsyncStep)]
+        (self.output_dir / PROMPT_GROUPS_FILE).write_text("".join(f"{line}\n" for line in lines))
+
 
 def check_disaggregated(cfg: Any) -> None:
     """Refuse what the disaggregated topology cannot run, before anything starts."""
@@ -143,8 +172,6 @@ def check_disaggregated(cfg: Any) -> None:
             f"recipe.topology=disaggregated needs a store shared across processes: use "
             f"tq/backend=ray or tq/backend=transferqueue (tq.backend._target_="
             f"{backend._target_} is embedded in the trainer process)")
-    if cfg.get("ckpt_path"):
-        raise ValueError("recipe.topology=disaggregated does not resume from ckpt_path yet")
 
 
 class Disaggregated(Callback):
@@ -164,25 +191,42 @@ class Disaggregated(Callback):
         self.collector: ChunkCollector | None = None
         self.writer: BackgroundWriter | None = None
         self.publisher: WeightPublisher | None = None
+        self.resumed: dict[str, Any] | None = None  # this class's state from ckpt_path
 
     def metrics_log(self, base: MetricsLog) -> AsyncMetricsLog:
         return AsyncMetricsLog(base.output_dir, packing=base.packing)
 
     # ------------------------------------------------------------------ workers
-    def start(self, local: Any) -> None:
+    def start(self, local: Any, step: int) -> None:
         """Open the shared store (``tq.backend``, owned here), register the exchange partitions,
-        publish version 0, start the workers where the backend runs them (``launcher_for``: Ray
-        actors on the Ray backends) and print each one's pid. ``local``: the trainer's own
-        store."""
+        publish the trainer's weights, start the workers where the backend runs them
+        (``launcher_for``: Ray actors on the Ray backends) and print each one's pid. ``local``:
+        the trainer's own store; ``step``: the first step to prepare.
+
+        Resumed (``ckpt_path``): the weights go out as the version of the steps the checkpoint
+        finished (the trainer's version, as if it had never stopped), so the bound holds across
+        the resume; the ledger restarts at ``step`` with ticket numbers above every one used
+        before (worker row ids are built from them; the restored step's rows keep theirs), and
+        the slots in flight when the run stopped are ordered again."""
         rc = self.rc
         self.client = client = instantiate(self.recipe.cfg.tq.backend)
-        self.collector = ChunkCollector(
+        self.collector = c = ChunkCollector(
             client, local, train_partition=rc.train_partition, prompts_per_step=rc.prompts_per_step,
             group_size=rc.group_size, workers=rc.rollout_workers, max_staleness=rc.max_staleness,
             procs=self.procs)
-        self.collector.register()
+        c.register()
+        version = self.recipe.callback.completed_steps  # 0, unless resumed
+        if self.resumed is not None:
+            c.restart(step, int(self.resumed["next_ticket"]))
+            c.filter.rows_dropped = int(self.resumed["rows_dropped"])
+            c.rows_duplicate = int(self.resumed["rows_duplicate"])
+            c.workers_lost = int(self.resumed["workers_lost"])
+            msg = (f"[tq_plugin] disaggregated run resumed at step {step}: weights published as "
+                   f"version {version}, tickets numbered from {c.ledger.next_ticket}")
+            print(msg, file=sys.stderr, flush=True)
+            log.info(msg)
         self.publisher = WeightPublisher(client)
-        self.publisher.publish(self.recipe.module.policy, 0)  # inline: before any worker starts
+        self.publisher.publish(self.recipe.module.policy, version)  # inline: before any worker starts
         self.writer = self.collector.writer = self.publisher.writer = BackgroundWriter()
         launcher = launcher_for(client)
         for k in range(rc.rollout_workers):
@@ -221,7 +265,7 @@ class Disaggregated(Callback):
 
         recipe, m = self.recipe, self.recipe.module
         if self.client is None:
-            self.start(m.dp_client)
+            self.start(m.dp_client, step)
         t0 = time.perf_counter()
         chunks, figures = self.collector.collect(step)
         t1 = time.perf_counter()
@@ -246,7 +290,8 @@ class Disaggregated(Callback):
         recipe.metrics.run_totals = {
             "topology": "disaggregated", "rollout_workers": self.rc.rollout_workers,
             "max_staleness": self.rc.max_staleness, "rows_dropped_stale": c.filter.rows_dropped,
-            "workers_lost": c.workers_lost, "collect_s_total": round(
+            "rows_duplicate": c.rows_duplicate, "workers_lost": c.workers_lost,
+            "collect_s_total": round(
                 recipe.metrics.run_totals.get("collect_s_total", 0.0) + t1 - t0, 3)}
         return meta
 
@@ -255,6 +300,32 @@ class Disaggregated(Callback):
         IS correction itself is the policy loss's (``RLModule``, module docstring)."""
         return self.recipe.module.read_from_dataplane(meta, select_fields=[
             TOKEN_MASK, SAMPLE_MASK, GENERATION_LOGPROBS, PREV_LOGPROBS, TOTAL_REWARD, TURN_REWARDS])
+
+    # ------------------------------------------------------------------ checkpoint state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The ledger's next ticket number, the run's drop and loss counts, and the figures of
+        the steps the checkpoint has not finished (prepared, or training: the resumed run books
+        them from the restored step meta). Rows in flight are not kept: their slots are ordered
+        again on resume."""
+        c, metrics = self.collector, self.recipe.metrics
+        done = self.recipe.callback.completed_steps
+        figures = {s.step: s.extra for s in metrics.steps
+                   if isinstance(s, _AsyncStep) and s.step >= done}
+        figures.update(metrics.pending)
+        counts = (self.resumed or {}) if c is None else {
+            "next_ticket": c.ledger.next_ticket, "rows_dropped": c.filter.rows_dropped,
+            "rows_duplicate": c.rows_duplicate, "workers_lost": c.workers_lost}
+        return {"next_ticket": 0, "rows_dropped": 0, "rows_duplicate": 0, "workers_lost": 0,
+                **counts, "run_totals": dict(metrics.run_totals),
+                "figures": {str(k): v for k, v in figures.items()}}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.resumed = {k: v for k, v in state_dict.items() if k not in ("run_totals", "figures")}
+        metrics = self.recipe.metrics
+        metrics.run_totals = dict(state_dict["run_totals"])
+        metrics.pending.update({int(k): v for k, v in state_dict["figures"].items()})
 
     # ------------------------------------------------------------------ Lightning hooks
     @override
@@ -283,4 +354,4 @@ class Disaggregated(Callback):
         self.stop()
 
 
-__all__ = ["AsyncMetricsLog", "Disaggregated", "check_disaggregated"]
+__all__ = ["PROMPT_GROUPS_FILE", "AsyncMetricsLog", "Disaggregated", "check_disaggregated"]

@@ -21,6 +21,8 @@ normalizer and rollout metrics from the step meta to the module and the metrics 
 reduces the metrics over ranks and writes the artifacts on rank 0; it checkpoints the rollout
 generator and the finished steps' metrics, so ``ckpt_path=...`` resumes a run to
 ``recipe.num_steps``. SIGTERM saves ``checkpoints/sigterm.ckpt`` and exits with status 143.
+``recipe.checkpoint_every=K`` also saves ``checkpoints/last.ckpt`` every K RL steps
+(``PeriodicCheckpoint``): what a killed run resumes from.
 
 Under DDP (``trainer=ddp_cpu``) each rank trains on its length-balanced shard of the same global
 batch one process would train on; ``tq_plugin.rl.ranks`` says how the step is split per backend.
@@ -59,7 +61,7 @@ from tq_plugin.data_plane import (
     KVBatchMeta,
     LocalDataPlane,
 )
-from tq_plugin.lightning import DataPlaneCallback, MetaDataModule
+from tq_plugin.lightning import MICROBATCH_INFO, DataPlaneCallback, MetaDataModule
 from tq_plugin.lightning.instantiators import instantiate_callbacks, instantiate_loggers
 from tq_plugin.rl import ranks, sharding
 from tq_plugin.rl.advantages import gae, group_relative, turn_end_rewards, whiten
@@ -69,7 +71,7 @@ from tq_plugin.rl.metrics import RESULT_FILE, MetricsLog
 from tq_plugin.rl.model_protocol import check_models
 from tq_plugin.rl.module import RLModule
 from tq_plugin.rl.prompts import TaskState
-from tq_plugin.rl.step_callbacks import RL_STEP, RLStepCallback, SigtermStop
+from tq_plugin.rl.step_callbacks import RL_STEP, PeriodicCheckpoint, RLStepCallback, SigtermStop
 from tq_plugin.rl.task import IMG
 from tq_plugin.rl.weights import (
     engine_weights,
@@ -163,6 +165,7 @@ class RLRecipe:
 
     def _after_microbatch(self, meta: KVBatchMeta, stats: dict[str, float]) -> None:
         self.metrics.on_microbatch(meta, stats)
+        self.periodic.save_if_due(self.module.trainer, meta.extra_info[MICROBATCH_INFO])
         self.sigterm.stop_if_requested(self.module.trainer)
 
     def _setup_models(self) -> None:
@@ -255,6 +258,8 @@ class RLRecipe:
         self.sigterm_checkpoint = self.output_dir / "checkpoints" / "sigterm.ckpt"
         max_steps = self.rc.num_steps * self.rc.ppo_epochs * self.rc.minibatches
         self.sigterm = SigtermStop(self.sigterm_checkpoint)
+        self.periodic = PeriodicCheckpoint(self.sigterm_checkpoint.parent,
+                                           self.rc.checkpoint_every or 0)
         # The task's own state (task=prompts: its dataset cursor) rides the checkpoint too.
         own = [TaskState(self.task)] if hasattr(self.task, "state_dict") else []
         callbacks = [self.callback, self.step_callback, self.sigterm, *own, EvalLog(),

@@ -8,14 +8,20 @@ microbatch has trained (and, after each earlier optimizer step of step ``s``, we
 ``s``: newer than that, so a row's counted staleness never undercounts). A row's staleness is
 ``trainer_version - row.weight_version``.
 
-* ``TicketLedger``: the trainer's orders to the rollout workers. A ticket asks for ``prompts``
-  prompts (``group_size`` rollouts each) aimed at training step ``target``; a worker starts it
-  only with weights of version ``>= target - max_staleness``, so a ticket trained at its target
-  step is within the bound by construction. Tickets are assigned to the least-loaded live worker;
-  a dead worker's undelivered tickets are reassigned under new numbers (rows it delivered stay).
-* ``StalenessFilter``: what the trainer checks anyway (a chunk may train later than its target:
-  workers finish out of order, a replacement is late). Chunks over the bound are dropped and
-  counted, never trained.
+* ``TicketLedger``: the trainer's orders to the rollout workers. The run's prompt stream is cut
+  into chunks (``slot`` ``c``: prompts ``c * chunk_prompts`` onwards, ``group_size`` rollouts
+  each; the worker seeds its generator from the slot, so a slot's prompts are the same whoever
+  generates them and however often); step ``s`` trains slots ``s * chunks_per_step`` to
+  ``(s + 1) * chunks_per_step - 1``. A ticket orders one slot for its step (``target``); a worker
+  starts it only with weights of version ``>= target - max_staleness``, so a ticket trained at
+  its target step is within the bound by construction. Tickets are assigned to the least-loaded
+  live worker; a dead worker's undelivered tickets are reassigned under new numbers (rows it
+  delivered stay). Ticket numbers are unique over a run and its resumes (``restart``): worker
+  row ids are built from them.
+* ``StalenessFilter``: what the trainer checks anyway. A chunk trains at its target step (the
+  collector assembles each step from its own slots), so a ticket's ``min_version`` bounds it by
+  construction; a chunk over the bound all the same (a worker that did not honour it) is
+  dropped and counted, never trained, and its slot ordered again.
 * ``truncated_is_weights``: the per-token importance weight ``min(exp(prev - gen), cap)``;
   ``is_correction_weights``: every ``recipe.is_correction.mode`` (token, sequence-masked and
   icepop-masked weights), which the policy loss multiplies its per-token terms by.
@@ -35,6 +41,7 @@ class Ticket:
     target: int  # the training step it is aimed at
     worker: int  # the worker it is assigned to
     min_version: int  # the oldest weights it may be generated with: target - max_staleness
+    slot: int  # its chunk of the prompt stream (``TicketLedger``); target = slot // chunks_per_step
 
 
 @dataclass
@@ -42,15 +49,17 @@ class TicketLedger:
     """Tickets issued, delivered and outstanding, per worker.
 
     ``issue(step)`` tops up the tickets aimed at steps ``<= step + max_staleness``
-    (``chunks_per_step`` per step); ``replace(step, n)`` orders ``n`` chunks for ``step`` itself
-    (to stand in for dropped or lost ones).
+    (``chunks_per_step`` slots per step); ``replace(slot)`` orders a slot again (its chunk was
+    dropped); ``restart(step)`` forgets every order (a resumed run's workers and store are new)
+    and issues from ``step``'s slots on, numbering tickets on from the checkpointed
+    ``next_ticket``.
     """
 
     workers: int
     chunks_per_step: int
     max_staleness: int
     next_ticket: int = 0
-    next_target: int = 0
+    next_slot: int = 0
     outstanding: dict[int, Ticket] = field(default_factory=dict)
     alive: set[int] = field(default_factory=set)
     reassigned: set[int] = field(default_factory=set)  # tickets of dead workers, reissued
@@ -70,9 +79,19 @@ class TicketLedger:
             load[t.worker] += 1
         return min(load, key=load.__getitem__)
 
-    def _new(self, target: int) -> Ticket:
+    @property
+    def next_target(self) -> int:
+        """The first step with a slot not issued yet."""
+        return self.next_slot // self.chunks_per_step
+
+    def slots(self, step: int) -> range:
+        """The prompt-stream slots step ``step`` trains."""
+        return range(step * self.chunks_per_step, (step + 1) * self.chunks_per_step)
+
+    def _new(self, slot: int) -> Ticket:
+        target = slot // self.chunks_per_step
         t = Ticket(self.next_ticket, target, self._least_loaded(),
-                   max(0, target - self.max_staleness))
+                   max(0, target - self.max_staleness), slot)
         self.next_ticket += 1
         self.outstanding[t.ticket] = t
         return t
@@ -80,12 +99,20 @@ class TicketLedger:
     def issue(self, step: int) -> list[Ticket]:
         out = []
         while self.next_target <= step + self.max_staleness:
-            out += [self._new(self.next_target) for _ in range(self.chunks_per_step)]
-            self.next_target += 1
+            out.append(self._new(self.next_slot))
+            self.next_slot += 1
         return out
 
-    def replace(self, step: int, n: int) -> list[Ticket]:
-        return [self._new(step) for _ in range(n)]
+    def replace(self, slot: int) -> Ticket:
+        return self._new(slot)
+
+    def restart(self, step: int, next_ticket: int) -> None:
+        """Resume at ``step``: no order is outstanding, the next issue starts at ``step``'s
+        slots, and no ticket number repeats one used before ``next_ticket``."""
+        self.outstanding.clear()
+        self.reassigned.clear()
+        self.next_slot = step * self.chunks_per_step
+        self.next_ticket = max(self.next_ticket, next_ticket)
 
     def delivered(self, ticket: int) -> Ticket | None:
         """Book a ticket's rows as arrived. ``None`` for one reassigned after its worker died
@@ -98,7 +125,7 @@ class TicketLedger:
 
     def worker_lost(self, worker: int) -> list[Ticket]:
         """Take ``worker`` out; its undelivered tickets, reissued to the others (new numbers,
-        same targets). ``RuntimeError`` when no worker is left."""
+        same slots). ``RuntimeError`` when no worker is left."""
         self.alive.discard(worker)
         lost = [t for t in self.outstanding.values() if t.worker == worker]
         for t in lost:
@@ -107,7 +134,7 @@ class TicketLedger:
         if not self.alive:
             raise RuntimeError(
                 f"every rollout worker has died ({self.workers} started); the run cannot continue")
-        return [self._new(t.target) for t in lost]
+        return [self._new(t.slot) for t in lost]
 
 
 @dataclass

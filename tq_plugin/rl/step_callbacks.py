@@ -1,10 +1,12 @@
-"""The recipe's own Lightning callbacks: per-step bookkeeping on every rank (``RLStepCallback``)
-and a SIGTERM stop that every rank takes at the same microbatch (``SigtermStop``)."""
+"""The recipe's own Lightning callbacks: per-step bookkeeping on every rank (``RLStepCallback``),
+a SIGTERM stop that every rank takes at the same microbatch (``SigtermStop``) and the periodic
+checkpoints a killed run resumes from (``PeriodicCheckpoint``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -98,7 +100,8 @@ class RLStepCallback(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.recipe.generator.set_state(state_dict["rng_state"])
-        self.restored = [_Step(**s) for s in state_dict["steps"]]
+        make = getattr(self.recipe.metrics, "step_type", _Step)  # the disaggregated records
+        self.restored = [make(**s) for s in state_dict["steps"]]
 
 
 class SigtermStop(Callback):
@@ -144,4 +147,38 @@ class SigtermStop(Callback):
             raise SIGTERMException
 
 
-__all__ = ["RL_STEP", "RLStepCallback", "SigtermStop"]
+class PeriodicCheckpoint:
+    """``recipe.checkpoint_every=K``: a checkpoint after every ``K``-th RL step, at the step's
+    boundary, for any topology: ``checkpoints/rl-step-<n>.ckpt`` (``n`` steps finished) and
+    ``checkpoints/last.ckpt`` (the same file, linked). A run killed without a SIGTERM (SIGKILL,
+    a lost node) resumes from the last one with ``ckpt_path``.
+
+    The recipe's step hook calls :meth:`save_if_due` where ``SigtermStop`` saves, after every
+    callback has advanced its cursor for the microbatch, so the resume cursor, the data plane's
+    last step meta (the next step, already prepared) and the metrics describe the same
+    position. Each file is written under a temporary name and renamed: a kill mid-save leaves
+    the previous checkpoint whole.
+    """
+
+    def __init__(self, directory: Path, every: int) -> None:
+        self.directory, self.every = directory, every
+        self.saved: list[Path] = []
+
+    def save_if_due(self, trainer: Trainer, info: dict[str, Any]) -> None:
+        finished = int(info["step"]) + 1
+        if not self.every or not info["last_in_step"] or finished % self.every:
+            return
+        path = self.directory / f"rl-step-{finished:06d}.ckpt"
+        tmp = path.with_name(f".{path.name}.tmp")
+        trainer.save_checkpoint(tmp)  # every rank calls it; rank 0 writes
+        if trainer.is_global_zero:
+            os.replace(tmp, path)
+            link = self.directory / ".last.ckpt.tmp"
+            link.unlink(missing_ok=True)
+            os.link(path, link)
+            os.replace(link, self.directory / "last.ckpt")
+            _info_rank_zero("RL step %d: checkpoint %s", finished - 1, path)
+        self.saved.append(path)
+
+
+__all__ = ["RL_STEP", "PeriodicCheckpoint", "RLStepCallback", "SigtermStop"]

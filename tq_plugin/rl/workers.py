@@ -7,9 +7,10 @@ attaches to the trainer's shared store (the pickled client re-attaches by name).
 exchanges with the trainer goes through that store:
 
 * **tickets** (partition ``rollout_tickets_w{k}``, task ``generate``): the trainer's orders. A
-  ticket names its prompts, the training step it aims at and the oldest weights it may be
-  generated with (``min_version``; see ``tq_plugin.rl.staleness``). The worker claims tickets as
-  they come and runs, of those it holds, the lowest target the newest weights allow;
+  ticket names its prompts (a slot of the run's prompt stream, which seeds the rollouts'
+  generator), the training step it aims at and the oldest weights it may be generated with
+  (``min_version``; see ``tq_plugin.rl.staleness``). The worker claims tickets as they come and
+  runs, of those it holds, the lowest target the newest weights allow;
 * **weights** (partition ``policy_weights``): one row per version (``v{n}``: the flat parameter
   vector and its ``weight_version``). Before each ticket the worker loads the newest version
   into its policy module and from there into its rollout engine (``engine=native`` samples
@@ -58,10 +59,13 @@ WEIGHTS = "weights"
 WEIGHT_VERSION = "weight_version"
 # Per-turn rewards of a training row (a fraction of the task's turns), written next to the rows.
 TURN_REWARDS = "turn_rewards"
-TICKET_FIELDS = ("ticket", "target", "min_version", "prompts")
+TICKET_FIELDS = ("ticket", "target", "min_version", "prompts", "slot")
 GENERATE_TASK = "generate"
 # Tags on each training row the worker delivers (the trainer reads them from its claim).
 TICKET_TAG, VERSION_TAG, CALLS_TAG, FAILED_TAG = "ticket", "weight_version", "calls", "failed_calls"
+# The ticket's prompt-stream slot (``tq_plugin.rl.staleness``): it seeds the rollouts' generator,
+# so a slot ordered again (a resumed run, a dropped chunk) draws the same prompts.
+SLOT_TAG = "slot"
 
 
 def tickets_partition(worker: int) -> str:
@@ -363,13 +367,14 @@ def _serve(spec: WorkerSpec, stop: StopSignal, task: Any, weights: _Weights, rol
             continue
         held.remove(ticket)
         version = weights.load_newest(newest)
-        generator = torch.Generator().manual_seed(rc.seed * 1_000_003 + 7919 * ticket["ticket"] + 1)
+        generator = torch.Generator().manual_seed(rc.seed * 1_000_003 + 7919 * ticket["slot"] + 1)
         batch = rollout.run(weights.engine, step=ticket["ticket"], prompts=ticket["prompts"],
                             group_size=rc.group_size, generator=generator)
         rows = reassembler.finalize_group(batch.receipts, partition_id=ROLLOUTS_PARTITION)
         n = rows.size
         tag = {TICKET_TAG: ticket["ticket"], VERSION_TAG: version, CALLS_TAG: batch.staged_calls,
-               FAILED_TAG: batch.failed_calls, "target": ticket["target"], "worker": spec.index}
+               FAILED_TAG: batch.failed_calls, "target": ticket["target"], "worker": spec.index,
+               SLOT_TAG: ticket["slot"]}
         client.put_samples(
             rows.sample_ids, ROLLOUTS_PARTITION,
             fields={TURN_REWARDS: batch.turn_scores / task.turns,
