@@ -77,44 +77,49 @@ def full_nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def plan_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+                 ) -> list[list[tuple[str, torch.Tensor]]]:
+    """``named`` cut, in order, into buckets of at most ``bucket_bytes`` full bytes each (a
+    tensor larger than that is a bucket of its own)."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    buckets: list[list[tuple[str, torch.Tensor]]] = []
+    size = 0
+    for name, tensor in named:
+        nbytes = full_nbytes(tensor)
+        if not buckets or (buckets[-1] and size + nbytes > bucket_bytes):
+            buckets.append([])
+            size = 0
+        buckets[-1].append((name, tensor))
+        size += nbytes
+    return buckets
+
+
 def iter_full_tensors(named: Iterable[tuple[str, torch.Tensor]], *,
                       bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                       device: torch.device | str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, full tensor)`` for every ``(name, tensor)`` of ``named``, in order.
 
-    ``DTensor`` shards are gathered (``full_tensor()``: a collective, so every rank iterates the
-    same names in the same order) a bucket at a time: the next bucket is gathered only once the
-    consumer has taken every tensor of this one, so a consumer that copies each tensor out and
-    drops it holds at most ``bucket_bytes`` of gathered weights (or one larger tensor). Plain
-    tensors pass through detached. ``device``: where the full tensors go (``"cpu"`` for a file),
-    by default where they were gathered.
+    ``DTensor`` shards are gathered (``full_tensor()``: one all-gather per tensor, a collective,
+    so every rank iterates the same names in the same order) a bucket at a time
+    (:func:`plan_buckets`): the next bucket is gathered only once the consumer has taken every
+    tensor of this one, so a consumer that copies each tensor out and drops it holds at most
+    ``bucket_bytes`` of gathered weights (or one larger tensor). Plain tensors pass through
+    detached. ``device``: where the full tensors go (``"cpu"`` for a file), by default where
+    they were gathered.
     """
-    if bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     dtensor = _dtensor_cls()
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-
-    def flush() -> Iterator[tuple[str, torch.Tensor]]:
+    for bucket in plan_buckets(named, bucket_bytes):
         gathered = []
         for name, tensor in bucket:
             tensor = tensor.detach()
             if dtensor is not None and isinstance(tensor, dtensor):
                 tensor = tensor.full_tensor()
             gathered.append((name, tensor if device is None else tensor.to(device)))
-        bucket.clear()
+        del tensor  # the generator keeps no full tensor of its own once it is handed out
         gathered.reverse()
         while gathered:  # popped, so the consumer holds the only reference once it has one
             yield gathered.pop()
-
-    for name, tensor in named:
-        nbytes = full_nbytes(tensor)
-        if bucket and size + nbytes > bucket_bytes:
-            yield from flush()
-            size = 0
-        bucket.append((name, tensor))
-        size += nbytes
-    yield from flush()
 
 
 def full_state_dict(module: nn.Module, *, rank: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES
@@ -181,5 +186,5 @@ def peak_memory_mb(device: torch.device | None = None) -> float:
 
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "clip_grad_norm", "full_nbytes", "full_state_dict", "is_sharded",
-           "iter_full_tensors", "peak_memory_mb", "save_final_full_weights",
+           "iter_full_tensors", "peak_memory_mb", "plan_buckets", "save_final_full_weights",
            "save_full_weights", "shard_model", "unsharded_class"]
