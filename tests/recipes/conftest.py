@@ -11,15 +11,35 @@ from pathlib import Path
 import pytest
 
 
+def _still_running(procs: list, linger: float) -> list:
+    """Those of ``procs`` still running after up to ``linger`` s. A process that exited while
+    its parent was gone stays a zombie here (this container's PID 1 reaps nothing): it runs
+    no more, so it does not count."""
+    import psutil
+
+    def running(p: psutil.Process) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    deadline = time.monotonic() + linger
+    while any(running(p) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return [p for p in procs if running(p)]
+
+
 @pytest.fixture
 def run_process_tree() -> Callable[..., tuple[subprocess.CompletedProcess, list, list]]:
-    """``run(cmd, cwd=, env=, timeout=)``: run ``cmd`` to its end, noting every process it
-    starts (DDP ranks, Ray's processes, rollout workers) while it runs. Returns the completed
-    process, the processes its tree held, and those still running 30 s after it ended, which
-    are killed (only those: nothing else on the machine is touched)."""
+    """``run(cmd, cwd=, env=, timeout=, linger=30)``: run ``cmd`` to its end, noting every
+    process it starts (DDP ranks, Ray's processes, rollout workers) while it runs. Returns the
+    completed process, the processes its tree held, and those still running ``linger`` s after
+    it ended (``_still_running``), which are killed (only those: nothing else on the machine is
+    touched)."""
     import psutil  # a Ray dependency
 
-    def run(cmd: list[str], *, cwd: Path, env: dict[str, str], timeout: float = 280.0):
+    def run(cmd: list[str], *, cwd: Path, env: dict[str, str], timeout: float = 280.0,
+            linger: float = 30.0):
         proc = psutil.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
         started: dict[int, psutil.Process] = {}
@@ -34,7 +54,7 @@ def run_process_tree() -> Callable[..., tuple[subprocess.CompletedProcess, list,
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        _, left = psutil.wait_procs(list(started.values()), timeout=30)
+        left = _still_running(list(started.values()), linger)
         for p in left:
             with contextlib.suppress(psutil.Error):
                 p.kill()

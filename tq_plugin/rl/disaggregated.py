@@ -210,6 +210,7 @@ class Disaggregated(Callback):
         the slots in flight when the run stopped are ordered again."""
         rc = self.rc
         self.client = client = instantiate(self.recipe.cfg.tq.backend)
+        self.recipe.sigterm.arm()  # starting Ray here replaced the SIGTERM stop's handler
         self.collector = c = ChunkCollector(
             client, local, train_partition=rc.train_partition, prompts_per_step=rc.prompts_per_step,
             group_size=rc.group_size, workers=rc.rollout_workers, max_staleness=rc.max_staleness,

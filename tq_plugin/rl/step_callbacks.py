@@ -127,6 +127,11 @@ class SigtermStop(Callback):
         # Replaces the handler Lightning registered for this fit; Lightning restores the
         # process's own handler at teardown.
         self.requested = self.stop = False
+        self.arm()
+
+    def arm(self) -> None:
+        """(Re)install the handler: starting Ray in this process (``ray.init``) replaces it with
+        Ray's own, which kills the process, so what starts Ray mid-fit calls this after."""
         signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:

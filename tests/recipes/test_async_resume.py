@@ -1,0 +1,137 @@
+"""A disaggregated run killed mid-step resumes from its last checkpoint, losing no prompt.
+
+Each run is the real entry point in a subprocess (``python -m tq_plugin.cli``): GRPO,
+``tq/backend=ray``, two rollout workers (Ray actors), ``recipe.max_staleness=1``,
+``recipe.checkpoint_every=2``. A run of ``N`` steps uninterrupted, then the same seed killed
+inside step 3 (the checkpoint of step 2 written), by SIGKILL
+(no SIGTERM checkpoint: it resumes from ``checkpoints/last.ckpt``) and by SIGTERM (its own
+``sigterm.ckpt``), resumed with ``ckpt_path`` to ``N``. The resumed run's record
+(``prompt_groups.jsonl``: the steps the final weights trained, the checkpointed ones included)
+must hold every prompt group the prompt stream assigns to steps ``0..N-1`` exactly once, each
+in the step the uninterrupted run trained it in, none staler than the bound; no process of the
+killed run may be left behind.
+
+The kill is sent by the trainer to itself from a callback (``KillAt``, written next to the run):
+a step of this tiny task trains in ~0.1 s, too short to aim a kill from outside.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+N, PROMPTS, EVERY, STALENESS = 6, 4, 2, 1
+RUN = ["--config-name", "grpo", f"recipe.prompts_per_step={PROMPTS}", "recipe.ppo_epochs=2",
+       "trainer.enable_progress_bar=false", "tq/backend=ray", "recipe.topology=disaggregated",
+       "recipe.rollout_workers=2", f"recipe.max_staleness={STALENESS}", f"recipe.num_steps={N}",
+       f"recipe.checkpoint_every={EVERY}", "tq.backend.ray_init.num_cpus=null",
+       "++tq.backend.ray_init.log_to_driver=false"]
+KILLER = '''
+import os
+from lightning.pytorch import Callback
+from tq_plugin.lightning import MICROBATCH_INFO
+
+
+class KillAt(Callback):
+    """Sends ``signum`` to this process as microbatch ``index`` of RL step ``step`` starts."""
+
+    def __init__(self, step: int, index: int, signum: int) -> None:
+        self.step, self.index, self.signum = step, index, signum
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        info = pl_module.dp_meta.extra_info[MICROBATCH_INFO]
+        if (info["step"], info["index_in_step"]) == (self.step, self.index):
+            os.kill(os.getpid(), self.signum)
+'''
+
+
+def _run(run_process_tree, run_dir: Path, env: dict[str, str], *overrides: str,
+         linger: float = 30.0):
+    """``(returncode, stderr, processes of its tree still running ``linger`` s after it
+    ended)``: the trainer run to its end (``run_process_tree``), ``KillAt`` importable."""
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    (run_dir.parent / "resume_killer.py").write_text(KILLER)
+    env = {**env, "PYTHONPATH": os.pathsep.join([str(run_dir.parent), env.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "tq_plugin.cli", *RUN, f"hydra.run.dir={run_dir}", *overrides]
+    done, _, left = run_process_tree(cmd, cwd=run_dir.parent, env=env, timeout=240.0,
+                                     linger=linger)
+    return done.returncode, done.stderr, left
+
+
+def _record(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "prompt_groups.jsonl").read_text().splitlines()]
+
+
+_WHOLE: list[dict] = []  # the uninterrupted run's record, made once for both variants
+
+
+def _uninterrupted(run_process_tree, tmp_path_factory, env: dict[str, str]) -> list[dict]:
+    if not _WHOLE:
+        run_dir = tmp_path_factory.mktemp("async-resume") / "whole"
+        rc, err, left = _run(run_process_tree, run_dir, env)
+        assert rc == 0, err[-3000:]
+        assert not left, f"processes left behind: {left}"
+        _WHOLE.extend(_record(run_dir))
+    return _WHOLE
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("signum", "index"), [(signal.SIGKILL, 1), (signal.SIGTERM, 0)],
+                         ids=["sigkill", "sigterm"])
+def test_killed_disaggregated_run_resumes_and_trains_every_prompt_group_once(
+        tmp_path, tmp_path_factory, run_process_tree, launcher_free_env, signum, index):
+    """SIGKILL as step 3's second optimizer step starts (step 4 already prepared: its rows in
+    the trainer's store, step 5's tickets out); SIGTERM as its first starts (the run stops
+    after that microbatch, inside the step)."""
+    uninterrupted = _uninterrupted(run_process_tree, tmp_path_factory, launcher_free_env)
+    expected = list(range(N * PROMPTS))  # the prompt stream's groups of steps 0..N-1
+    assert sorted(g for r in uninterrupted for g in r["prompt_groups"]) == expected
+
+    killed = tmp_path / "killed"
+    # After a SIGKILL of the trainer, which started and hosted Ray, its worker actors go within
+    # ~10 s; Ray's dashboard and runtime-env agents exit once their reconnect to the dead GCS
+    # times out (~60 s).
+    kill = ["+callbacks.kill._target_=resume_killer.KillAt", "+callbacks.kill.step=3",
+            f"+callbacks.kill.index={index}", f"+callbacks.kill.signum={int(signum)}"]
+    rc, err, left = _run(run_process_tree, killed, launcher_free_env, *kill, linger=120.0)
+    assert not left, f"processes of the killed run left behind: {left}"
+    checkpoints = killed / "checkpoints"
+    if signum == signal.SIGKILL:
+        assert rc == -signal.SIGKILL, err[-3000:]
+        assert not (killed / "result.json").exists()  # it died without a word
+        ckpt = checkpoints / "last.ckpt"
+        assert ckpt.samefile(checkpoints / "rl-step-000002.ckpt")  # step 3 never finished
+    else:
+        assert rc == 128 + signal.SIGTERM, err[-3000:]
+        ckpt = checkpoints / "sigterm.ckpt"
+        assert json.loads((killed / "result.json").read_text())["status"] == "interrupted"
+    assert not list(checkpoints.glob(".*.tmp")), "a checkpoint was left half written"
+
+    resumed = tmp_path / "resumed"
+    t0 = time.monotonic()
+    rc, err, left = _run(run_process_tree, resumed, launcher_free_env, f"ckpt_path={ckpt}")
+    seconds = time.monotonic() - t0
+    assert rc == 0, err[-3000:]
+    assert not left, f"processes of the resumed run left behind: {left}"
+    assert "disaggregated run resumed at step" in err
+
+    record = _record(resumed)
+    assert [r["step"] for r in record] == list(range(N)), "a step missing or trained twice"
+    groups = Counter(g for r in record for g in r["prompt_groups"])
+    assert sorted(groups) == expected, f"skipped: {sorted(set(expected) - set(groups))}"
+    assert set(groups.values()) == {1}, f"trained twice: {[g for g, n in groups.items() if n > 1]}"
+    # each group in the step the uninterrupted run trained it in, none staler than the bound
+    assert [r["prompt_groups"] for r in record] == [r["prompt_groups"] for r in uninterrupted]
+    assert max(r["staleness_max"] for r in record) <= STALENESS
+    result = json.loads((resumed / "result.json").read_text())
+    assert result["status"] == "ok" and result["steps"] == N
+    print(f"[async resume] {signal.Signals(signum).name}: {N} steps, {len(groups)} prompt groups "
+          f"checked, resumed run {seconds:.1f} s", file=sys.stderr)
