@@ -2,10 +2,12 @@
 steps and once after the last, scored by the task's own reward.
 
 The recipe evaluates at the start of a step (the engine holds that step's weights) and carries
-the figures in the step meta; :class:`EvalLog` logs them as ``eval/reward`` and
-``eval/accuracy`` through ``self.log`` at the step's first microbatch, so every configured
-Lightning logger gets them. The final evaluation (the trained weights) goes into
-``result.json`` under ``eval``.
+the figures in the step meta; :class:`EvalLog` hands them as ``eval/reward`` and
+``eval/accuracy`` to every configured Lightning logger at the step's first microbatch, on rank
+0, at the trainer's global step. Straight to the loggers rather than through ``self.log``: a
+value logged that way is repeated on every later step's row until it is logged again, and an
+evaluation is one point. The final evaluation (the trained weights) goes into ``result.json``
+under ``eval``.
 """
 
 from __future__ import annotations
@@ -52,8 +54,10 @@ class EvalLog(Callback):
         if step == self.step or not figures:
             return
         self.step = step
-        pl_module.log_dict({f"eval/{k}": float(v) for k, v in figures.items()},
-                           on_step=True, on_epoch=False, batch_size=1)
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics({f"eval/{k}": float(v) for k, v in figures.items()},
+                                   step=trainer.global_step)
 
 
 __all__ = ["EVAL", "EvalLog", "evaluate"]
