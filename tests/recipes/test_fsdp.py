@@ -148,6 +148,47 @@ def test_a_sharded_run_the_recipe_cannot_honour_fails_at_start(tmp_path, overrid
     assert not (tmp_path / "out").exists()  # nothing written, no process or store started
 
 
+def _stand_in(strategy: str, accelerator: str, world: int, **attrs):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(strategy=type(strategy, (), {"launcher": None, **attrs})(),
+                           accelerator=type(accelerator, (), {})(), world_size=world)
+
+
+def test_sharded_gpus_are_accepted_and_lightnings_fsdp1_refused_by_key():
+    from types import SimpleNamespace
+
+    from tq_plugin.rl import ranks
+
+    local = SimpleNamespace(_target_="tq_plugin.data_plane.LocalDataPlane")
+    mp = {"_tensor_parallel_size": 1, "_data_parallel_size": 4}
+    ranks.check_parallel_run(_stand_in("ModelParallelStrategy", "CUDAAccelerator", 4, **mp),
+                             backend=local, global_batch=8, save_artifacts=True)
+    with pytest.raises(ValueError, match="trainer.strategy=fsdp is Lightning's FSDP1"):
+        ranks.check_parallel_run(_stand_in("FSDPStrategy", "CUDAAccelerator", 2), backend=local,
+                                 global_batch=8, save_artifacts=True)
+    with pytest.raises(ValueError, match="trainer.strategy.data_parallel_size=2 must equal"):
+        ranks.check_parallel_run(
+            _stand_in("ModelParallelStrategy", "CUDAAccelerator", 4, _tensor_parallel_size=1,
+                      _data_parallel_size=2), backend=local, global_batch=8, save_artifacts=True)
+
+
+def test_each_ranks_peak_memory_is_a_metrics_column():
+    from tq_plugin.rl import ranks
+    from tq_plugin.rl.metrics import _Step
+
+    def step(peak: float) -> _Step:
+        record = _Step(0, 0.5, 0.5, 0.5, 0.1, 0.1, 0)
+        record.add({"real_tokens": 4, "padded_tokens": 4, "seconds": 0.1, "peak_mem_mb": peak},
+                   last_in_global_batch=True)
+        return record
+
+    assert step(12.0).row()["peak_mem_mb_rank0"] == 12.0
+    (merged,) = ranks.merge_rank_steps([[step(10.0)], [step(30.0)]])
+    row = merged.row()
+    assert (row["peak_mem_mb_rank0"], row["peak_mem_mb_rank1"]) == (10.0, 30.0)
+
+
 def test_the_presets_build_model_parallel_strategies():
     for preset, accelerator in (("fsdp_cpu", "cpu"), ("fsdp", "gpu")):
         node = compose_grpo(f"trainer={preset}").trainer
@@ -177,9 +218,12 @@ assert sharding.is_sharded(model)
 # The sharded forward, loss and clipped norm are the one-process ones.
 for m in (model, whole):
     m(ids).float().logsumexp(-1).mean().backward()
-norm = sharding.clip_grad_norm(model.parameters(), 1e-3)
+# Lightning's norm clip (RLModule.configure_gradient_clipping) on shards: the global norm.
+from lightning.pytorch.plugins.precision import Precision
+opt = torch.optim.SGD(model.parameters(), lr=1.0)
 ref_norm = torch.nn.utils.clip_grad_norm_(whole.parameters(), 1e-3)
-assert torch.allclose(norm, ref_norm, rtol=1e-5), (norm, ref_norm)
+assert ref_norm > 1e-2  # the clip scales every gradient
+Precision().clip_grad_by_norm(opt, 1e-3)
 for (n, p), q in zip(model.named_parameters(), whole.parameters()):
     assert torch.allclose(p.grad.full_tensor(), q.grad, atol=1e-7), n
 state = sharding.full_state_dict(model, rank=rank, bucket_bytes=4096)
@@ -206,8 +250,8 @@ def _free_port() -> int:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_sharded_weights_gather_clip_and_save_as_the_whole_model(tmp_path):
-    """Two gloo ranks shard an hf_causal_lm per layer: gradients, their clipped global norm, the
-    gathered state dict and the saved file are the unsharded model's."""
+    """Two gloo ranks shard an hf_causal_lm per layer: gradients (clipped by Lightning's norm
+    clip), the gathered state dict and the saved file are the unsharded model's."""
     pytest.importorskip("transformers")
     script = tmp_path / "gather.py"
     script.write_text(_GATHER_SCRIPT)

@@ -58,7 +58,7 @@ from tq_plugin.rl.metrics import (
 )
 from tq_plugin.rl.model import TinyTransformer, entropy, shift_values, token_logprobs
 from tq_plugin.rl.ranks import SCALED_BY_WORLD
-from tq_plugin.rl.sharding import clip_grad_norm, is_sharded, peak_memory_mb, shard_model
+from tq_plugin.rl.sharding import peak_memory_mb, shard_model
 from tq_plugin.rl.staleness import is_correction_weights
 from tq_plugin.staging import MEDIA_IMGS_FIELD
 
@@ -174,12 +174,9 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
                                     gradient_clip_val: float | None = None,
                                     gradient_clip_algorithm: str | None = None) -> None:
         """Clip the gradient norm over every trained parameter to 1.0. Sharded (``DTensor``)
-        gradients are clipped by their global norm (:func:`tq_plugin.rl.sharding.clip_grad_norm`:
-        each rank's shard norms summed over the mesh), which is the one-process norm."""
-        if is_sharded(self.policy):
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            clip_grad_norm(params, 1.0)
-            return
+        gradients too: Lightning's clip is ``torch.nn.utils.clip_grad_norm_``, whose norm of
+        shards is a partial ``DTensor`` summed over the mesh, so every rank scales by the
+        one-process factor (``tests/recipes/test_fsdp.py`` checks it against the whole model)."""
         self.clip_gradients(optimizer, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> Any:

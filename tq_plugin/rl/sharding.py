@@ -58,20 +58,6 @@ def shard_model(model: nn.Module, mesh: Any, *, mp_policy: Any = None) -> nn.Mod
     return model
 
 
-def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Scale the gradients of ``params`` so their global 2-norm is at most ``max_norm``; the
-    norm before clipping. Sharded gradients: the norm of each rank's shards is a partial
-    ``DTensor``, made whole (``full_tensor()``: summed over the mesh) before the scale is taken,
-    so every rank scales by the one-process factor."""
-    params = [p for p in params if p.grad is not None]
-    total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
-    dtensor = _dtensor_cls()
-    if dtensor is not None and isinstance(total, dtensor):
-        total = total.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return total
-
-
 def full_nbytes(tensor: torch.Tensor) -> int:
     """Bytes of ``tensor``'s full (gathered) value: its global shape, not this rank's shard."""
     return tensor.numel() * tensor.element_size()
@@ -185,6 +171,6 @@ def peak_memory_mb(device: torch.device | None = None) -> float:
     return peak_rss_mb()
 
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "clip_grad_norm", "full_nbytes", "full_state_dict", "is_sharded",
+__all__ = ["DEFAULT_BUCKET_BYTES", "full_nbytes", "full_state_dict", "is_sharded",
            "iter_full_tensors", "peak_memory_mb", "plan_buckets", "save_final_full_weights",
            "save_full_weights", "shard_model", "unsharded_class"]
