@@ -203,3 +203,14 @@ def test_multi_turn_feedback_is_tokenized_text(tmp_path, tiny):
 def test_media_is_refused(tmp_path, tiny):
     with pytest.raises(ConfigError, match="reads no pixels"):
         _task(write(tmp_path / "p.jsonl", ROWS, "jsonl"), tiny, media=True)
+
+
+def test_policy_and_value_start_from_the_same_pretrained_backbone(tiny):
+    from tq_plugin.rl.hf_model import HFCausalLM
+
+    vocab = len(load_tokenizer(tiny))
+    policy = HFCausalLM(vocab, pretrained_path=str(tiny), max_seq_len=32)
+    value = HFCausalLM(vocab, pretrained_path=str(tiny), max_seq_len=32, value_head=True)
+    embed = policy.backbone.get_input_embeddings().weight
+    assert torch.equal(value.backbone.get_input_embeddings().weight, embed)
+    assert value(torch.tensor([[1, 2, 3]])).shape == (1, 3)
