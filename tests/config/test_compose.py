@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,17 @@ def test_option_composes_validates_and_instantiates(compose_train, tmp_path, gro
         packing = instantiate(node)
         assert isinstance(packing, PackingConfig) and packing.mode == option
         assert packing == typed["tq.packing"]
+    elif group == "task" and option == "prompts":
+        pytest.importorskip("datasets", reason="the prompts extra is not installed")
+        from tq_plugin.rl.tiny_model import reverse_rows, train_tokenizer
+
+        rows = reverse_rows(4)
+        (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        tokenizer = train_tokenizer([r["answer"] for r in rows])
+        tokenizer.save_pretrained(str(tmp_path / "tok"))
+        task = instantiate(node, path=str(tmp_path / "p.jsonl"), tokenizer=str(tmp_path / "tok"))
+        assert task.vocab_size == len(tokenizer) and task.eos_token_id == tokenizer.eos_token_id
+        assert len(task.rows) == 4 and task.rewards[0].name == node.reward._target_
     elif group == "task":
         task = instantiate(node)
         assert task.vocab_size > task.num_symbols
@@ -137,11 +149,16 @@ def test_option_composes_validates_and_instantiates(compose_train, tmp_path, gro
 
         from tq_plugin.lightning.instantiators import instantiate_loggers
 
-        if option == "tensorboard":
-            pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
+        extra = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}.get(option)
+        if extra:
+            pytest.importorskip(extra, reason=f"the {extra} extra is not installed")
         (logger,) = instantiate_loggers(cfg.logger)
-        assert isinstance(logger, {"csv": CSVLogger, "tensorboard": TensorBoardLogger}[option])
-        assert Path(logger.save_dir) == tmp_path
+        if option in ("wandb", "mlflow"):  # a run starts on first use; the store is the run dir's
+            assert type(logger).__name__ == {"wandb": "WandbLogger", "mlflow": "MLFlowLogger"}[option]
+            assert str(tmp_path) in str(logger.save_dir)
+        else:
+            assert isinstance(logger, {"csv": CSVLogger, "tensorboard": TensorBoardLogger}[option])
+            assert Path(logger.save_dir) == tmp_path
     elif group == "callbacks":
         from tq_plugin.lightning.instantiators import instantiate_callbacks
         from tq_plugin.lightning.progress import StepProgressBar
