@@ -14,7 +14,7 @@ import sys
 from benchmarks._common import machine
 
 MODULES = ["bench_data_plane", "bench_backends", "bench_packing", "bench_lightning", "bench_staging",
-           "bench_topology", "bench_engines", "bench_fsdp", "soak", "reliability"]
+           "bench_topology", "bench_engines", "bench_fsdp", "soak", "reliability", "async_resume"]
 HERE = pathlib.Path(__file__).parent
 
 

@@ -12,7 +12,8 @@ in the step the uninterrupted run trained it in, none staler than the bound; no 
 killed run may be left behind.
 
 The kill is sent by the trainer to itself from a callback (``KillAt``, written next to the run):
-a step of this tiny task trains in ~0.1 s, too short to aim a kill from outside.
+a step of this tiny task trains in ~0.1 s, too short to aim a kill from outside. Fast tier:
+``recipe.checkpoint_every`` on a colocated run (the files, ``last.ckpt``, a resume from one).
 """
 
 from __future__ import annotations
@@ -82,6 +83,37 @@ def _uninterrupted(run_process_tree, tmp_path_factory, env: dict[str, str]) -> l
     return _WHOLE
 
 
+def _in_process(run_dir: Path, *overrides: str) -> dict:
+    """One colocated run of the real entry point in this process; its result.json."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from tq_plugin import cli
+
+    GlobalHydra.instance().clear()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys, "argv", ["tq-train", f"hydra.run.dir={run_dir}", "recipe.prompts_per_step=4",
+                                 "recipe.ppo_epochs=1", "trainer.enable_progress_bar=false",
+                                 *overrides])
+        cli.main(config_name="grpo")
+    GlobalHydra.instance().clear()
+    return json.loads((run_dir / "result.json").read_text())
+
+
+@pytest.mark.timeout(180)
+def test_checkpoint_every_writes_step_checkpoints_and_last_and_resumes(tmp_path):
+    """Any topology (here colocated, embedded store): a checkpoint after every K-th RL step,
+    ``last.ckpt`` the newest of them, no temporary file left; ``ckpt_path`` resumes from it."""
+    first = tmp_path / "first"
+    assert _in_process(first, "recipe.num_steps=5", "recipe.checkpoint_every=2")["steps"] == 5
+    checkpoints = first / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == [
+        "last.ckpt", "rl-step-000002.ckpt", "rl-step-000004.ckpt"]
+    assert (checkpoints / "last.ckpt").samefile(checkpoints / "rl-step-000004.ckpt")
+    resumed = _in_process(tmp_path / "resumed", "recipe.num_steps=6",
+                          f"ckpt_path={checkpoints / 'rl-step-000004.ckpt'}")
+    assert resumed["status"] == "ok" and resumed["steps"] == 6
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(("signum", "index"), [(signal.SIGKILL, 1), (signal.SIGTERM, 0)],
@@ -133,5 +165,6 @@ def test_killed_disaggregated_run_resumes_and_trains_every_prompt_group_once(
     assert max(r["staleness_max"] for r in record) <= STALENESS
     result = json.loads((resumed / "result.json").read_text())
     assert result["status"] == "ok" and result["steps"] == N
-    print(f"[async resume] {signal.Signals(signum).name}: {N} steps, {len(groups)} prompt groups "
-          f"checked, resumed run {seconds:.1f} s", file=sys.stderr)
+    print(f"[async resume] {signal.Signals(signum).name} inside step 3, resumed from {ckpt.name}: "
+          f"{N} steps, {len(groups)} prompt groups checked, each trained once, staleness_max "
+          f"{max(r['staleness_max'] for r in record)}; resumed run {seconds:.1f} s")

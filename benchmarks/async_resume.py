@@ -1,0 +1,43 @@
+"""The resume figures of ``benchmarks/RESULTS.md``'s reliability part: the slow test
+``tests/recipes/test_async_resume.py`` run once, the lines it prints gathered.
+
+A GRPO run on ``tq/backend=ray`` (2 rollout workers, ``max_staleness=1``, ``checkpoint_every=2``)
+is killed inside step 3 by SIGKILL and by SIGTERM and resumed to 6 steps; each line says how many
+prompt groups were checked (each trained exactly once across the two runs, in the uninterrupted
+run's steps) and how long the resumed run took.
+
+Run: ``python -m benchmarks.run_all async_resume``.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+from benchmarks.reliability import _pytest
+
+TEST = "tests/recipes/test_async_resume.py"
+
+
+def main() -> dict:
+    t0 = time.monotonic()
+    out = _pytest([TEST])
+    seconds = time.monotonic() - t0
+    lines = re.findall(r"^\[async resume\] (.*)$", out, flags=re.MULTILINE)
+    md = "\n".join([
+        "### Reliability: killed asynchronous runs resume",
+        "",
+        (f"`{TEST}` (slow tier, {seconds:.0f} s for an uninterrupted run and both kills): "
+         "`tq-train --config-name grpo tq/backend=ray recipe.topology=disaggregated "
+         "recipe.rollout_workers=2 recipe.max_staleness=1 recipe.checkpoint_every=2` (4 prompts "
+         "of 4 rollouts a step, 2 optimizer steps each), killed inside step 3 and resumed with "
+         "`ckpt_path` to 6 steps; no process of either run is left behind."),
+        "",
+        *[f"- {line}" for line in lines],
+    ])
+    print(md)
+    return {"markdown": md}
+
+
+if __name__ == "__main__":
+    main()
