@@ -161,11 +161,15 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         """Under ``ModelParallelStrategy`` (``trainer=fsdp_cpu``, ``trainer=fsdp``) shard the
         policy and the value model with FSDP2 over the data-parallel mesh
         (:func:`tq_plugin.rl.sharding.shard_model`); the optimizer is built afterwards, on the
-        shards. Other strategies have no mesh and leave the models whole."""
+        shards. Other strategies have no mesh and leave the models whole, and so does a mesh of
+        one rank (nothing to shard over; the engines and the weight files then see plain
+        tensors)."""
         mesh = self.device_mesh
         if mesh is None:
             return
         dp = mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
+        if dp.size() == 1:
+            return
         for model in (self.policy, self.value):
             if model is not None:
                 shard_model(model, dp)
