@@ -135,3 +135,14 @@ def test_the_dataset_cursor_resumes_from_the_checkpoint(monkeypatch, tmp_path, t
     resumed.train()
     assert before + drawn == straight
     assert resumed.task.state_dict() == end_state
+
+
+@pytest.mark.timeout(240)
+def test_the_hf_engine_serves_the_pretrained_policy(monkeypatch, tmp_path, tiny):
+    _, task = tiny
+    summary = entry(monkeypatch, tmp_path, *task, "recipe.num_steps=2", "recipe.eval_every=1",
+                    "engine=hf")
+    assert summary["engine"] == "hf" and summary["weight_syncs"] >= 2
+    # The engine serves the policy loaded from model.pretrained_path: its logprobs are the trainer's.
+    assert summary["max_logprob_gap"] < 1e-3
+    assert set(summary["eval"]) == {"reward", "accuracy"}
