@@ -23,11 +23,12 @@ def main() -> dict:
     t0 = time.monotonic()
     out = _pytest([TEST])
     seconds = time.monotonic() - t0
-    lines = re.findall(r"^\[async resume\] (.*)$", out, flags=re.MULTILINE)
+    lines = re.findall(r"\[async resume\] (.*)$", out, flags=re.MULTILINE)  # after a "." or not
     md = "\n".join([
         "### Reliability: killed asynchronous runs resume",
         "",
-        (f"`{TEST}` (slow tier, {seconds:.0f} s for an uninterrupted run and both kills): "
+        (f"`{TEST}` (slow tier; {seconds:.0f} s for the file: an uninterrupted run, both kills "
+         "and their resumes): "
          "`tq-train --config-name grpo tq/backend=ray recipe.topology=disaggregated "
          "recipe.rollout_workers=2 recipe.max_staleness=1 recipe.checkpoint_every=2` (4 prompts "
          "of 4 rollouts a step, 2 optimizer steps each), killed inside step 3 and resumed with "
