@@ -83,6 +83,9 @@ def test_a_pretrained_path_without_a_config_names_the_path(tmp_path):
 
     with pytest.raises(FileNotFoundError, match=f"{tmp_path} holds no config.json"):
         HFCausalLM(8, pretrained_path=str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path} holds no safetensors weights"):
+        HFCausalLM(8, pretrained_path=str(tmp_path))
 
 
 def test_chat_template_round_trip_and_plain_text_as_is(tiny):

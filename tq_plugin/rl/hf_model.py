@@ -103,6 +103,10 @@ class HFCausalLM(nn.Module):
             if not (path / "config.json").is_file():
                 raise FileNotFoundError(f"model.pretrained_path: {path} holds no config.json "
                                         f"(a local save_pretrained directory is needed)")
+            if not any(path.glob("*.safetensors")):
+                raise FileNotFoundError(f"model.pretrained_path: {path} holds no safetensors "
+                                        f"weights (model.safetensors or its shards); pickled "
+                                        f".bin weights are refused")
             # The sizes are checked on the config alone, before any weight is read.
             cfg = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
             if cfg.vocab_size < vocab_size:
