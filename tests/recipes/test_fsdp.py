@@ -314,17 +314,24 @@ def test_fsdp_trains_the_one_process_and_the_ddp_update(tmp_path, config, run):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_ckpt_path_resumes_an_fsdp_run_from_its_sharded_checkpoint(tmp_path, run):
-    """A ModelCheckpoint under trainer=fsdp_cpu writes a sharded checkpoint (a folder, one file
-    per rank, plus Lightning's and the store's state); ckpt_path resumes it to num_steps and the
-    resumed steps are the uninterrupted run's."""
+@pytest.mark.parametrize("writer", ["model_checkpoint", "checkpoint_every"])
+def test_ckpt_path_resumes_an_fsdp_run_from_its_sharded_checkpoint(tmp_path, run, writer):
+    """A ModelCheckpoint, or recipe.checkpoint_every's last.ckpt (a link to the newest folder),
+    under trainer=fsdp_cpu writes a sharded checkpoint (a folder, one file per rank, plus
+    Lightning's and the store's state); ckpt_path resumes it to num_steps and the resumed steps
+    are the uninterrupted run's."""
     first, resumed, straight = tmp_path / "first", tmp_path / "resumed", tmp_path / "straight"
-    run("grpo", first, "trainer=fsdp_cpu", "recipe.num_steps=3",
-        "trainer.enable_checkpointing=true",
-        "+callbacks.ckpt._target_=lightning.pytorch.callbacks.ModelCheckpoint",
-        "+callbacks.ckpt.every_n_train_steps=2", "+callbacks.ckpt.save_top_k=-1",
-        f"+callbacks.ckpt.dirpath={first / 'ckpts'}")
-    ckpt = first / "ckpts" / "epoch=0-step=2.ckpt"
+    if writer == "model_checkpoint":
+        run("grpo", first, "trainer=fsdp_cpu", "recipe.num_steps=3",
+            "trainer.enable_checkpointing=true",
+            "+callbacks.ckpt._target_=lightning.pytorch.callbacks.ModelCheckpoint",
+            "+callbacks.ckpt.every_n_train_steps=2", "+callbacks.ckpt.save_top_k=-1",
+            f"+callbacks.ckpt.dirpath={first / 'ckpts'}")
+        ckpt = first / "ckpts" / "epoch=0-step=2.ckpt"
+    else:
+        run("grpo", first, "trainer=fsdp_cpu", "recipe.num_steps=3", "recipe.checkpoint_every=2")
+        ckpt = first / "checkpoints" / "last.ckpt"
+        assert ckpt.resolve().name == "rl-step-000002.ckpt"
     assert ckpt.is_dir() and len(list(ckpt.glob("*.distcp"))) == 2  # one shard file per rank
     run("grpo", resumed, "trainer=fsdp_cpu", "recipe.num_steps=4", f"ckpt_path='{ckpt}'")
     run("grpo", straight, "trainer=fsdp_cpu", "recipe.num_steps=4")

@@ -180,7 +180,10 @@ class PeriodicCheckpoint:
             os.replace(tmp, path)
             link = self.directory / ".last.ckpt.tmp"
             link.unlink(missing_ok=True)
-            os.link(path, link)
+            if path.is_dir():  # a sharded checkpoint (trainer=fsdp_cpu): a folder, linked by name
+                link.symlink_to(path.name, target_is_directory=True)
+            else:
+                os.link(path, link)
             os.replace(link, self.directory / "last.ckpt")
             _info_rank_zero("RL step %d: checkpoint %s", finished - 1, path)
         self.saved.append(path)
