@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import importlib
 import pathlib
+import re
 import sys
 
 from benchmarks._common import machine
@@ -18,9 +19,30 @@ MODULES = ["bench_data_plane", "bench_backends", "bench_packing", "bench_lightni
 HERE = pathlib.Path(__file__).parent
 
 
+_MEASURED = re.compile(r"^_Measured [^\n]*$", re.MULTILINE)
+
+
+def committed_sections(results: pathlib.Path) -> list[str]:
+    """The sections of an existing ``RESULTS.md`` (each ends with its ``_Measured ..._`` line),
+    so re-measuring one module on a fresh clone keeps every other module's figures."""
+    if not results.exists():
+        return []
+    text, out = results.read_text(), []
+    start = text.find("\n#", 1) + 1  # the first heading after the title and the preamble
+    for m in _MEASURED.finditer(text):
+        out.append(text[start:m.end()].strip())
+        start = m.end()
+    return [section for section in out if section]
+
+
+def _heading(section: str) -> str:
+    return section.strip().splitlines()[0].strip()
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the named benchmarks (default: all), keep each section in ``benchmarks/out/``, and
-    rebuild ``RESULTS.md`` from every section measured so far, in ``MODULES`` order."""
+    rewrite ``RESULTS.md``: each measured section replaces the one with its heading (sections
+    of other modules are kept as they were), new ones are added in ``MODULES`` order."""
     wanted = (argv if argv is not None else sys.argv[1:]) or MODULES
     out_dir = HERE / "out"
     out_dir.mkdir(exist_ok=True)
@@ -30,8 +52,17 @@ def main(argv: list[str] | None = None) -> None:
         section = module.main()["markdown"]
         stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         (out_dir / f"{name}.md").write_text(f"{section}\n\n_Measured {stamp}._\n")
-    sections = [(out_dir / f"{n}.md").read_text().rstrip() for n in MODULES
-                if (out_dir / f"{n}.md").exists()]
+    sections = committed_sections(HERE / "RESULTS.md")
+    for name in MODULES:
+        path = out_dir / f"{name}.md"
+        if not path.exists():
+            continue
+        fresh = path.read_text().rstrip()
+        same = [i for i, old in enumerate(sections) if _heading(old) == _heading(fresh)]
+        if same:
+            sections[same[0]] = fresh
+        else:
+            sections.append(fresh)
     text = "\n\n".join(
         [
             "# Benchmark results",

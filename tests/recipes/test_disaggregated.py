@@ -522,3 +522,22 @@ def test_a_waiting_worker_skips_publishes_older_than_the_version_it_needs():
     publisher.publish(model, 1)
     _wait_for_version(client, 0, 1, stop)  # returns at the version-1 publish
     assert client.check_consumption_status(WEIGHTS_PARTITION, [weights_task(0)])
+
+
+def test_rows_an_earlier_run_left_in_the_exchange_are_dropped_at_start():
+    """A trainer that died before closing a store of the same name left rollouts behind; the
+    next run's first claim must not hand them out (CI saw a chunk mixing two runs' tickets)."""
+    import torch
+
+    from tq_plugin.data_plane import LocalDataPlane
+    from tq_plugin.rl.collector import ChunkCollector
+    from tq_plugin.rl.workers import ROLLOUTS_PARTITION
+
+    shared = LocalDataPlane()
+    shared.register_partition(ROLLOUTS_PARTITION, [])
+    shared.put_samples(["old-0", "old-1"], ROLLOUTS_PARTITION, {"weight_version": torch.zeros(2)})
+    collector = ChunkCollector(shared, LocalDataPlane(), train_partition="train", prompts_per_step=2,
+                               group_size=2, workers=1, max_staleness=1, procs=[])
+    collector.register()
+    assert shared.list_sample_ids(ROLLOUTS_PARTITION) == []
+    collector.register()  # idempotent on a clean exchange

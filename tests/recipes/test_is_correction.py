@@ -160,8 +160,8 @@ def compose_recipe():
 @pytest.mark.parametrize("name", ["ppo", "grpo"])
 def test_the_recipes_default_to_token_tis_with_the_old_cap_key(compose_recipe, name):
     rc = compose_recipe(name)
-    assert rc.is_correction.mode == "token_tis" and rc.is_cap == 1.0
-    assert compose_recipe(name, "recipe.is_truncation=2.0").is_cap == 2.0  # the key before
+    assert rc.is_correction.mode == "token_tis" and rc.is_cap == 2.0
+    assert compose_recipe(name, "recipe.is_truncation=1.5").is_cap == 1.5  # the key before
     rc = compose_recipe(name, "recipe.is_correction.mode=icepop", "recipe.is_correction.cap=3",
                         "recipe.is_truncation=2.0")
     assert rc.is_correction.mode == "icepop" and rc.is_cap == 3.0

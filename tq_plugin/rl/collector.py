@@ -87,7 +87,20 @@ class ChunkCollector:
         self.writer: Any = InlineWriter()
 
     def register(self) -> None:
-        """The exchange partitions (before any worker starts)."""
+        """The exchange partitions (before any worker starts). Rows an earlier trainer left in
+        them (one that died before closing a store of the same name) are dropped first: a claim
+        would otherwise hand this run another run's tickets, weights or rollouts."""
+        exchange = [WEIGHTS_PARTITION, ROLLOUTS_PARTITION,
+                    *(tickets_partition(k) for k in range(self.ledger.workers))]
+        for partition in exchange:
+            try:
+                stale = self.client.list_sample_ids(partition)
+            except KeyError:  # never registered: nothing left behind
+                continue
+            if stale:
+                log.warning("dropping %d rows an earlier run left in %r of the shared store",
+                            len(stale), partition)
+                self.client.clear_samples(None, partition)
         self.client.register_partition(
             WEIGHTS_PARTITION, [WEIGHTS, WEIGHT_VERSION],
             consumer_tasks=[weights_task(k) for k in range(self.ledger.workers)])
