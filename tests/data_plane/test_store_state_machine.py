@@ -61,7 +61,10 @@ EXAMPLES: collections.Counter = collections.Counter()
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    """Bit patterns, so NaN rows compare equal to themselves."""
+    """Bit patterns, so NaN rows compare equal to themselves (an empty row may come back with
+    stride 0, which ``view`` refuses; it has no bits)."""
+    if t.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8)
     return t.detach().reshape(-1).contiguous().view(torch.uint8)
 
 
