@@ -60,5 +60,10 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m benchmarks.run_all
 
+# On a CUDA machine (GPU builds via TORCH_SPEC / VLLM_SPEC): a few GRPO steps with vLLM on the
+# GPU, and FSDP2 over every GPU when there are two or more; prints reward, sync and memory figures.
+gpu-check: $(STAMP)
+	$(PY) -m benchmarks.gpu_check
+
 clean:
 	rm -rf $(VENV) build dist *.egg-info outputs multirun lightning_logs
