@@ -77,26 +77,11 @@ def generation_and_sync(*, runs: int) -> dict[str, Any]:
 
 
 def grpo_steps(engine: str, *, steps: int) -> float:
-    from hydra import compose, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
+    from benchmarks.bench_topology import timed_fit
 
-    from benchmarks.bench_topology import _Window
-    from tq_plugin.rl.recipe import RLRecipe
-
-    GlobalHydra.instance().clear()
-    with tempfile.TemporaryDirectory() as out:
-        with initialize_config_module(config_module="tq_plugin.conf", version_base="1.3"):
-            cfg = compose("grpo", overrides=[
-                "model=hf_causal_lm", "model.n_heads=2", f"engine={engine}",
-                f"recipe.num_steps={steps}", "recipe.num_threads=1",
-                "trainer.enable_progress_bar=false", "logger=csv"])
-        GlobalHydra.instance().clear()
-        rl = RLRecipe(cfg, out)
-        rl.setup()
-        window = _Window()
-        rl.trainer.callbacks.append(window)
-        rl.train()
-    return (steps - 1) / (window.end - window.start)
+    span, _ = timed_fit("grpo", ["model=hf_causal_lm", f"engine={engine}",
+                                 f"recipe.num_steps={steps}"])
+    return (steps - 1) / span
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -68,13 +68,15 @@ class _Window(Callback):
         self.end = time.perf_counter()
 
 
-def run_once(kind: str, *, recipe: str, steps: int, seed: int) -> dict[str, float]:
+def timed_fit(recipe: str, overrides: list[str]) -> tuple[float, list[dict[str, str]]]:
+    """Fit ``recipe`` with ``overrides`` (one torch thread, CSV logger) in a temporary run dir;
+    returns the seconds from step 1 to the end of the fit and the metrics rows of those steps."""
     GlobalHydra.instance().clear()
     with tempfile.TemporaryDirectory() as out:
         with initialize_config_module(config_module="tq_plugin.conf", version_base="1.3"):
             cfg = compose(recipe, overrides=[
-                *KINDS[kind], f"recipe.num_steps={steps}", f"recipe.seed={seed}",
-                "recipe.num_threads=1", "trainer.enable_progress_bar=false", "logger=csv"])
+                *overrides, "recipe.num_threads=1", "trainer.enable_progress_bar=false",
+                "logger=csv"])
         GlobalHydra.instance().clear()
         rl = RLRecipe(cfg, out)
         rl.setup()
@@ -83,7 +85,12 @@ def run_once(kind: str, *, recipe: str, steps: int, seed: int) -> dict[str, floa
         rl.train()
         with open(Path(out) / "metrics.csv") as f:
             rows = list(csv.DictReader(f))[1:]  # the steps in the window
-    span = window.end - window.start
+    return window.end - window.start, rows
+
+
+def run_once(kind: str, *, recipe: str, steps: int, seed: int) -> dict[str, float]:
+    span, rows = timed_fit(recipe, [*KINDS[kind], f"recipe.num_steps={steps}",
+                                    f"recipe.seed={seed}"])
     idle_key = "trainer_wait_s" if "disaggregated" in kind else "rollout_s"
     return {"steps_per_s": (steps - 1) / span,
             "idle": sum(float(r[idle_key]) for r in rows) / span,
