@@ -316,7 +316,8 @@ class DataPlaneCallback(Callback):
                 meta = KVBatchMeta(**held["meta"])
             else:
                 meta = source(step, client)
-            self._remember_step(step, meta)
+            if meta is not None:  # None: a rank whose source only joined rank 0's collectives
+                self._remember_step(step, meta)
             return meta
 
         produce.resumes_for = self  # type: ignore[attr-defined]

@@ -64,6 +64,9 @@ class MetaDataModule(LightningDataModule):
         rows: ``"shared"``, ``"local"`` or ``"auto"`` (``"local"`` for the embedded backend).
         epochs_per_step: passes over each step's rows (PPO epochs).
         shard_fn: replaces ``shard_meta_for_dp`` (tests, custom placement).
+        source_on_every_rank: under ``rows="shared"``, every rank calls the source, not rank 0
+            alone, and rank 0's meta is broadcast (the others' return is ignored): for a
+            source that runs collectives, such as a sharded (FSDP) model's forwards.
     """
 
     def __init__(
@@ -80,6 +83,7 @@ class MetaDataModule(LightningDataModule):
         rows: str = "auto",
         epochs_per_step: int = 1,
         shard_fn: ShardFn | None = None,
+        source_on_every_rank: bool = False,
     ) -> None:
         super().__init__()
         if num_steps < 0 or epochs_per_step < 1:
@@ -99,6 +103,7 @@ class MetaDataModule(LightningDataModule):
         self.rows = rows
         self.epochs_per_step = epochs_per_step
         self.shard_fn = shard_fn
+        self.source_on_every_rank = source_on_every_rank
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(_StepStream(self), batch_size=None, collate_fn=_pass_through)
@@ -163,8 +168,8 @@ class MetaDataModule(LightningDataModule):
         world, rank = trainer.world_size, trainer.global_rank
         placement = self._row_placement(client)
         if placement == "shared" and world > 1:
-            meta = self.source(step, client) if rank == 0 else None
-            meta = trainer.strategy.broadcast(meta, src=0)
+            meta = self.source(step, client) if rank == 0 or self.source_on_every_rank else None
+            meta = trainer.strategy.broadcast(meta if rank == 0 else None, src=0)
         else:
             meta = self.source(step, client)
         index = 0

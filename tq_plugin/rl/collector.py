@@ -51,6 +51,16 @@ from tq_plugin.staging.reassembler import FINALIZED_FIELDS_TAG
 log = logging.getLogger(__name__)
 READY_TASK = "async_ready"
 _PROMPT_IN_ID = re.compile(r"-p(\d+)-g\d+$")  # a rollout id's prompt index within its chunk
+_ROW_IN_ID = re.compile(r"-p(\d+)-g(\d+)$")  # its prompt and its place in the prompt's group
+
+
+def in_row_order(chunk: KVBatchMeta) -> KVBatchMeta:
+    """A chunk's rows in the order the worker wrote them: by prompt, then by place in the
+    prompt's group (their ids' ``-p<i>-g<j>`` ending), so each group's rows are contiguous
+    (``group_relative`` reads groups as consecutive rows)."""
+    keys = [tuple(int(x) for x in _ROW_IN_ID.search(sid).groups()) for sid in chunk.sample_ids]
+    order = sorted(range(chunk.size), key=keys.__getitem__)
+    return chunk if order == list(range(chunk.size)) else chunk.subset(order)
 
 
 class ChunkCollector:
@@ -77,6 +87,8 @@ class ChunkCollector:
                                    max_staleness=max_staleness)
         self.filter = StalenessFilter(max_staleness)
         self.buffer: list[KVBatchMeta] = []  # claimed chunks not trained yet, one meta each
+        self.partial: dict[int, list[KVBatchMeta]] = {}  # ticket -> its rows claimed so far
+        self.partial_claims = 0  # claims that handed out part of a chunk (TransferQueue)
         self.open_from = 0  # the first slot not trained yet
         self.received: set[int] = set()  # slots >= open_from held in the buffer or taken
         self.rows_duplicate = 0
@@ -143,10 +155,16 @@ class ChunkCollector:
                 self.send(reissued)
 
     def claim(self, *, blocking: bool) -> int:
-        """Claim one ready chunk into the buffer; returns the rows claimed. A chunk's rows
-        become ready together (the worker's one ready-signal put), so a claim of ``chunk_rows``
-        takes one whole chunk (TransferQueue's claim returns full batches only). The time spent
-        blocked adds to ``waited_s``."""
+        """Claim ``chunk_rows`` ready rows, and buffer every chunk they complete; returns the
+        rows claimed. A chunk's rows are written ready together (the worker's one ready-signal
+        put), which on ``local`` and ``ray`` makes them claimable together, so a claim takes one
+        whole chunk. TransferQueue's controller may hand out part of a put that is landing
+        (seen once in four CI runs: 3 of a chunk's 8 rows beside 5 of another's): such rows
+        wait in ``partial`` under their ticket until the rest of the chunk is claimed (every
+        chunk has ``chunk_rows`` rows, so once every delivered row is ready a claim of
+        ``chunk_rows`` always completes one). Every chunk is buffered in the worker's row order
+        (``in_row_order``), whatever order its rows were claimed in. The time spent blocked
+        adds to ``waited_s``."""
         t0 = time.perf_counter()
         try:
             meta = self.client.claim_meta(ROLLOUTS_PARTITION, READY_TASK, [WEIGHT_VERSION],
@@ -162,11 +180,13 @@ class ChunkCollector:
         for i, tag in enumerate(meta.tags or []):
             by_ticket.setdefault(int(tag[TICKET_TAG]), []).append(i)
         for ticket, rows in by_ticket.items():
-            if len(rows) != self.chunk_rows:
-                raise RuntimeError(f"ticket {ticket}: claimed {len(rows)} rows, expected "
-                                   f"{self.chunk_rows} (whole groups)")
-            self.ledger.delivered(ticket)
             chunk = meta.subset(rows)
+            if len(rows) != self.chunk_rows or ticket in self.partial:
+                chunk = self._complete(ticket, chunk)
+                if chunk is None:
+                    continue
+            chunk = in_row_order(chunk)
+            self.ledger.delivered(ticket)
             slot = int(chunk.tags[0][SLOT_TAG])
             if slot < self.open_from or slot in self.received:  # its prompts are held already
                 self.writer.submit(self.client.clear_samples, chunk.sample_ids, ROLLOUTS_PARTITION)
@@ -175,6 +195,21 @@ class ChunkCollector:
             self.received.add(slot)
             self.buffer.append(chunk)
         return meta.size
+
+    def _complete(self, ticket: int, rows: KVBatchMeta) -> KVBatchMeta | None:
+        """Hold part of ``ticket``'s chunk; the whole chunk, in row order, once its last rows
+        are here (``None`` before). More rows than a chunk has is a broken exchange."""
+        self.partial_claims += 1
+        held = self.partial.setdefault(ticket, [])
+        held.append(rows)
+        got = sum(part.size for part in held)
+        if got < self.chunk_rows:
+            return None
+        del self.partial[ticket]
+        if got > self.chunk_rows:
+            raise RuntimeError(f"ticket {ticket}: claimed {got} rows, expected "
+                               f"{self.chunk_rows} (whole groups)")
+        return held[0].concat(*held[1:])
 
     def _take(self, chunk: KVBatchMeta) -> KVBatchMeta:
         """Copy a delivered chunk into the trainer's store (one read, one put), then clear it
@@ -194,6 +229,7 @@ class ChunkCollector:
         self.open_from = self.ledger.slots(step).start
         self.received.clear()
         self.buffer.clear()
+        self.partial.clear()
 
     def prompt_groups(self, chunk: KVBatchMeta) -> list[int]:
         """The prompt-stream indices of a chunk's groups (``slot * chunk_prompts + i``)."""

@@ -71,6 +71,16 @@ equal on every rank). The step's rows go into the train partition of the shared 
 than an embedded one, and every rank reads its length-balanced shard of the broadcast step meta
 (``MetaDataModule(rows="shared")``, as a colocated run on a shared store), so each optimizer
 step trains the one-process global batch.
+
+**Sharded trainer** (``trainer=fsdp_cpu``, ``trainer=fsdp``): every forward of an FSDP2 model
+all-gathers its parameters, so the other ranks join what rank 0 did alone under DDP. Every rank
+runs the step source (``MetaDataModule(source_on_every_rank=True)``): rank 0 claims the rows and
+broadcasts their meta, every rank runs the ``prev_logprobs`` and value passes over all of the
+step's rows (the same microbatches, so the collectives pair up; a colocated FSDP run replays the
+step on every rank the same way), and rank 0 alone writes them and computes the advantages.
+Each publish gathers the policy's full parameters into the flat weights row a bounded bucket at
+a time (``weights_snapshot``: every rank joins the gathers, rank 0 keeps the row), so no rank
+holds a second whole copy of its model beside the row the workers read.
 """
 
 from __future__ import annotations
@@ -105,6 +115,7 @@ from tq_plugin.rl.workers import (
     BackgroundWriter,
     WeightPublisher,
     WorkerSpec,
+    weights_snapshot,
     worker_main,
 )
 
@@ -192,16 +203,19 @@ class Disaggregated(Callback):
         self.writer: BackgroundWriter | None = None
         self.publisher: WeightPublisher | None = None
         self.resumed: dict[str, Any] | None = None  # this class's state from ckpt_path
+        # Every rank that prepares steps: the first was prepared (weights go out from then on).
+        self.started = False
 
     def metrics_log(self, base: MetricsLog) -> AsyncMetricsLog:
         return AsyncMetricsLog(base.output_dir, packing=base.packing)
 
     # ------------------------------------------------------------------ workers
-    def start(self, local: Any, step: int) -> None:
+    def start(self, local: Any, step: int, weights: Any) -> None:
         """Open the shared store (``tq.backend``, owned here), register the exchange partitions,
         publish the trainer's weights, start the workers where the backend runs them
         (``launcher_for``: Ray actors on the Ray backends) and print each one's pid. ``local``:
-        the trainer's own store; ``step``: the first step to prepare.
+        the trainer's own store; ``step``: the first step to prepare; ``weights``: the policy's
+        ``weights_snapshot``, the first version the workers load.
 
         Resumed (``ckpt_path``): the weights go out as the version of the steps the checkpoint
         finished (the trainer's version, as if it had never stopped), so the bound holds across
@@ -227,7 +241,7 @@ class Disaggregated(Callback):
             print(msg, file=sys.stderr, flush=True)
             log.info(msg)
         self.publisher = WeightPublisher(client)
-        self.publisher.publish(self.recipe.module.policy, version)  # inline: before any worker starts
+        self.publisher.publish_snapshot(weights, version)  # inline: before any worker starts
         self.writer = self.collector.writer = self.publisher.writer = BackgroundWriter()
         launcher = launcher_for(client)
         for k in range(rc.rollout_workers):
@@ -259,22 +273,36 @@ class Disaggregated(Callback):
         if self.client is not None:
             self.client.close()  # the owner drops the shared store (idempotent)
 
-    def prepare_step(self, step: int) -> KVBatchMeta:
+    def prepare_step(self, step: int) -> KVBatchMeta | None:
         """The step source under the disaggregated topology (see the module docstring); under
-        DDP it runs on rank 0 only."""
+        DDP it runs on rank 0 only. Under FSDP (``recipe.sharded``) every rank runs it: rank 0
+        claims the step's rows and broadcasts their meta, every rank runs the no-grad passes
+        over all of them in step (each forward of a sharded model is a collective) and rank 0
+        alone writes their output and returns the step meta (``None`` on the others)."""
         from tq_plugin.rl.recipe import action_tokens_and_gap
 
         recipe, m = self.recipe, self.recipe.module
-        if self.client is None:
-            self.start(m.dp_client, step)
+        trainer = m.trainer
+        writer = trainer.global_rank == 0
+        if not self.started:  # the first version: gathered by every rank of a sharded policy
+            weights = weights_snapshot(m.policy, keep=writer)
+            if writer:
+                self.start(m.dp_client, step, weights)
+            self.started = True
         t0 = time.perf_counter()
-        chunks, figures = self.collector.collect(step)
+        meta = figures = None
+        if writer:
+            chunks, figures = self.collector.collect(step)
+            meta = chunks[0].concat(*chunks[1:])
+            meta = dataclasses.replace(meta, task_name="train", extra_info={})
         t1 = time.perf_counter()
-        meta = chunks[0].concat(*chunks[1:])
-        meta = dataclasses.replace(meta, task_name="train", extra_info={})
-        m.forward_pass(meta, role="policy", step=step)
+        if recipe.sharded:
+            meta = trainer.strategy.broadcast(meta, src=0)
+        m.forward_pass(meta, role="policy", step=step, write=writer)
         if recipe.ppo:
-            m.forward_pass(meta, role="value", step=step)
+            m.forward_pass(meta, role="value", step=step, write=writer)
+        if not writer:
+            return None  # the data module broadcasts rank 0's step meta
         recipe._write_advantages(meta)
         td = self._correct(meta)
         actions, lp_gap = action_tokens_and_gap(td)
@@ -292,6 +320,7 @@ class Disaggregated(Callback):
             "topology": "disaggregated", "rollout_workers": self.rc.rollout_workers,
             "max_staleness": self.rc.max_staleness, "rows_dropped_stale": c.filter.rows_dropped,
             "rows_duplicate": c.rows_duplicate, "workers_lost": c.workers_lost,
+            "partial_claims": c.partial_claims,
             "collect_s_total": round(
                 recipe.metrics.run_totals.get("collect_s_total", 0.0) + t1 - t0, 3)}
         return meta
@@ -333,13 +362,19 @@ class Disaggregated(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         info = pl_module.dp_meta.extra_info[MICROBATCH_INFO]
-        if self.publisher is None or not info["last_in_global_batch"]:  # no optimizer step
+        if not self.started or not info["last_in_global_batch"]:  # no optimizer step
             return
         step = int(info["step"])
         if info["last_in_step"]:
-            self.publisher.publish(pl_module.policy, step + 1)
+            version = step + 1
         elif self.rc.weights_every == "optimizer_step":
-            self.publisher.publish(pl_module.policy, step)
+            version = step
+        else:
+            return
+        # A sharded policy's ranks all join the gather; rank 0 (the publisher) keeps the row.
+        weights = weights_snapshot(pl_module.policy, keep=self.publisher is not None)
+        if self.publisher is not None:
+            self.publisher.publish_snapshot(weights, version)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

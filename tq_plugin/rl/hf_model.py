@@ -175,7 +175,9 @@ class HFCausalLM(nn.Module):
             kwargs["position_ids"] = position_ids
         out = self.backbone(**kwargs)
         if self.head is not None:
-            return self.head(out.last_hidden_state).squeeze(-1)
+            # A new tensor, not a view of the head's output: an FSDP2 root module's returned
+            # view loses its pre-backward hook to an in-place op (torch warns on every call).
+            return self.head(out.last_hidden_state).squeeze(-1).clone()
         return out.logits + self.out_bias
 
 

@@ -124,7 +124,7 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
 
     # ------------------------------------------------------------------ pre-training passes
     @torch.no_grad()
-    def forward_pass(self, meta: KVBatchMeta, *, role: str, step: int) -> None:
+    def forward_pass(self, meta: KVBatchMeta, *, role: str, step: int, write: bool = True) -> None:
         """One no-grad pass over the step, written back through the data plane.
 
         ``role="policy"`` writes ``prev_logprobs``, ``role="value"`` writes ``values``. The pass
@@ -132,6 +132,8 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         policy's dispatch), in microbatches under the ``logprob_mb_tokens`` budget and in the
         training layout; each microbatch's output goes back as rows (``dp_rows``). The columns
         are moved to the model's device and its output back to the host before the write.
+        ``write=False`` runs the same passes and writes nothing: the ranks of a sharded model
+        that join the collective forwards of a step another rank writes.
         """
         model, field = (self.policy, PREV_LOGPROBS) if role == "policy" else (self.value, VALUES)
         task = "prev_lp" if role == "policy" else "value_fwd"
@@ -147,7 +149,8 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
             ids = td[INPUT_IDS]
             out = model(ids, **self._inputs(td, mb))
             out = token_logprobs(out, ids, self.rc.temperature) if role == "policy" else shift_values(out)
-            self.write_to_dataplane(mb, {field: self.dp_rows(out.cpu())})
+            if write:
+                self.write_to_dataplane(mb, {field: self.dp_rows(out.cpu())})
         model.train(was_training)
 
     # ------------------------------------------------------------------ training

@@ -98,8 +98,9 @@ def check_sharded_run(strategy: Any, *, world: int, backend: Any, topology: str)
     FSDP2 shards every parameter over the ranks, so every forward is a collective: each step's
     rollouts and no-grad passes must run on every rank in lockstep, which the embedded store's
     replay does (every rank generates the same step) and a rank-0-only step does not (a shared
-    store's rank 0, the disaggregated trainer's rank 0: the other ranks would never join its
-    gathers)."""
+    store's rank 0: the other ranks would never join its gathers). The disaggregated topology
+    runs: its workers generate, and every trainer rank joins the step's no-grad passes and the
+    weights' gathers (``tq_plugin.rl.disaggregated``)."""
     tp = getattr(strategy, "_tensor_parallel_size", 1)
     if tp not in (1, "auto") or (tp == "auto" and world > 1):
         raise ValueError(f"trainer.strategy.tensor_parallel_size={tp}: the recipes shard with "
@@ -110,16 +111,15 @@ def check_sharded_run(strategy: Any, *, world: int, backend: Any, topology: str)
                          f"ranks ({world}: trainer.devices x trainer.num_nodes)")
     if world == 1:
         return
-    if topology != "colocated":
-        raise ValueError(f"recipe.topology={topology} with a sharded trainer ({SHARDED_PRESETS}): "
-                         f"the trainer's rank 0 prepares each step alone, which FSDP's "
-                         f"collective forwards cannot; use trainer=ddp_cpu or a colocated run")
+    if topology == "disaggregated":
+        return
     replayed = issubclass(get_class(backend._target_), _local_store())
     if not replayed:
         raise ValueError(f"tq.backend={backend._target_.rsplit('.', 1)[-1]} with a sharded "
                          f"trainer ({SHARDED_PRESETS}): rank 0 would generate each step alone, "
                          f"but FSDP's forwards need every rank; use tq/backend=local (every rank "
-                         f"replays the step) or trainer=ddp_cpu")
+                         f"replays the step), recipe.topology=disaggregated (workers generate) "
+                         f"or trainer=ddp_cpu")
 
 
 def _local_store() -> type:

@@ -275,6 +275,9 @@ class RLRecipe:
                                  save_artifacts=self.rc.save_artifacts,
                                  topology=self.rc.topology)
         self.world_size = self.trainer.world_size
+        # FSDP2 over several ranks: every forward of the models is a collective all ranks join.
+        self.sharded = (self.world_size > 1
+                        and type(self.trainer.strategy).__name__ == "ModelParallelStrategy")
         if self.world_size > 1 and self.engine_cfg.name != "native":
             raise EngineError(f"engine={self.engine_cfg.name} runs with one trainer process: "
                               f"use engine=native with several ranks (trainer=ddp_cpu)")
@@ -296,6 +299,8 @@ class RLRecipe:
             global_batch_size=self.global_batch,
             micro_batch_size=self.packing.micro_batch_size,
             rows="shared" if shared else "local",
+            # The disaggregated step's no-grad passes of a sharded model need every rank.
+            source_on_every_rank=self.sharded and self.disaggregated is not None,
         )
         self.replicated = not shared and self.world_size > 1
 

@@ -50,6 +50,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from tq_plugin.data_plane import LocalDataPlane
 from tq_plugin.data_plane.processes import StopSignal
+from tq_plugin.rl import sharding
 
 WEIGHTS_PARTITION = "policy_weights"
 # The shared partition the workers deliver finished training rows into (the trainer claims
@@ -96,10 +97,27 @@ def newest_weights(client: Any) -> tuple[int, int] | None:
     return max(published) if published else None
 
 
-def weights_snapshot(model: torch.nn.Module) -> torch.Tensor:
-    """``model``'s parameters as one float32 row ``[1, P]``: a copy, so the next optimizer step
-    does not change what is being published."""
-    return parameters_to_vector([p.detach() for p in model.parameters()]).float().unsqueeze(0)
+def weights_snapshot(model: torch.nn.Module, *, keep: bool = True) -> torch.Tensor | None:
+    """``model``'s parameters as one float32 row ``[1, P]`` on the CPU: a copy, so the next
+    optimizer step does not change what is being published.
+
+    A sharded (FSDP2) model's parameters are gathered into that row a bounded bucket of full
+    tensors at a time (``sharding.iter_full_tensors``): a collective, so every rank calls it
+    in step; only a rank with ``keep`` builds the row (the others join the gathers and return
+    ``None``), and none holds more than its shard, the row and one bucket at once."""
+    if not sharding.is_sharded(model):
+        if not keep:
+            return None
+        return parameters_to_vector([p.detach() for p in model.parameters()]).float().unsqueeze(0)
+    named = list(model.named_parameters())
+    flat = torch.empty(1, sum(p.numel() for _, p in named)) if keep else None
+    offset = 0
+    for _, full in sharding.iter_full_tensors(named, device="cpu"):
+        if flat is not None:
+            flat[0, offset:offset + full.numel()] = full.reshape(-1)
+        offset += full.numel()
+        del full
+    return flat
 
 
 def put_weights(client: Any, flat: torch.Tensor, publish: int, version: int,
@@ -134,13 +152,17 @@ class WeightPublisher:
         self.published: list[str] = []  # the ids kept, oldest first
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
+        self.publish_snapshot(weights_snapshot(model), version)
+
+    def publish_snapshot(self, flat: torch.Tensor, version: int) -> None:
+        """Publish a :func:`weights_snapshot` taken already (a sharded model's, gathered by
+        every rank) as ``version``."""
         publish, self.count = self.count, self.count + 1
         self.published.append(weights_id(publish, version))
         drop: list[str] = []
         if len(self.published) >= 2 * self.keep:  # clear in batches: one clear per keep publishes
             drop, self.published = self.published[:-self.keep], self.published[-self.keep:]
-        self.writer.submit(put_weights, self.client, weights_snapshot(model), publish, version,
-                           drop)
+        self.writer.submit(put_weights, self.client, flat, publish, version, drop)
 
 
 class InlineWriter:
