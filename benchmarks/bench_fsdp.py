@@ -13,6 +13,10 @@ Then, under FSDP, the gather for a weight sync: rank 0 copies the full weights i
 model of its own (the engine's copy) through :func:`tq_plugin.rl.sharding.iter_full_tensors`
 at several bucket sizes, against a plain copy of the same bytes between two whole models; its
 seconds and the most full bytes it holds at once (the largest bucket), next to the model's size.
+
+Last, the issue's two done-when commands, each run once through ``tq-train`` (2 ranks): GRPO
+colocated and PPO disaggregated on Ray with one rollout worker; their steps, rewards, each
+rank's peak memory (``peak_mem_mb_rank<r>`` of the last step) and wall time.
 """
 
 from __future__ import annotations
@@ -176,9 +180,44 @@ def _launch(mode: str, tmp: Path, world: int = 2) -> list[dict[str, Any]]:
     return [json.loads(o.read_text()) for o in outs]
 
 
+# The done-when commands (their overrides after ``tq-train``).
+DONE_WHEN = (
+    ("recipe=grpo", "model=hf_causal_lm", "trainer=fsdp_cpu"),
+    ("recipe=ppo", "model=hf_causal_lm", "trainer=fsdp_cpu", "recipe.topology=disaggregated",
+     "tq/backend=ray", "recipe.rollout_workers=1"),
+)
+
+
+def done_when_run(overrides: tuple[str, ...], tmp: Path) -> list[Any]:
+    """One ``tq-train`` run of ``overrides`` to its end: its table row."""
+    import csv
+
+    out = tmp / f"run{len(list(tmp.iterdir()))}"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_", "GLOBAL_RANK"))}
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "tq_plugin.cli", *overrides,
+                           f"hydra.run.dir={out}", "trainer.enable_progress_bar=false"],
+                          env=env, capture_output=True, text=True, timeout=1800, check=False)
+    wall = time.perf_counter() - t0
+    if proc.returncode:
+        raise RuntimeError(f"tq-train {' '.join(overrides)} exited {proc.returncode}: "
+                           f"{proc.stderr[-2000:]}")
+    result = json.loads((out / "result.json").read_text())
+    with open(out / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    last = rows[-1]
+    return [f"`tq-train {' '.join(overrides)}`", len(rows),
+            f"{result['reward_first_avg']:.3f} → {result['reward_last_avg']:.3f}",
+            f"{float(last['peak_mem_mb_rank0']):.0f} / {float(last['peak_mem_mb_rank1']):.0f}",
+            f"{wall:.0f}"]
+
+
 def main() -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         ranks = {mode: _launch(mode, Path(tmp)) for mode in ("ddp", "fsdp")}
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = [done_when_run(overrides, Path(tmp)) for overrides in DONE_WHEN]
     size = ranks["ddp"][0]["size_mb"]
     rows = []
     for mode in ("ddp", "fsdp"):
@@ -217,6 +256,11 @@ def main() -> dict[str, Any]:
          f"gathered at once (the largest bucket: the bound the gather holds beside the engine's "
          f"copy); the plain copy moves the same bytes between two whole models."),
         table(["bucket MB", "ms", "largest bucket MB"], sync_rows),
+        ("The done-when commands, once each (2 CPU ranks; reward: mean of the first / last 5 "
+         "steps; peak memory: `peak_mem_mb_rank0` / `1` of the last step, RSS on the CPU; wall: "
+         "the whole command, imports and start-up included). Not run on GPUs "
+         "(`trainer=fsdp`): no device was lent."),
+        table(["command", "steps", "reward", "peak MB rank 0 / 1", "wall s"], runs),
     ])
     return {"markdown": md, "ranks": ranks}
 
