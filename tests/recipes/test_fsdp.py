@@ -399,3 +399,26 @@ def test_fsdp_trains_the_disaggregated_topology(tmp_path, config, run_process_tr
     assert all((out / n).is_file() for n in names)
     assert len(started) > 2  # rank 1, the worker actor, Ray's processes
     assert not left, [" ".join(p.cmdline())[:120] for p in left]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_an_hf_engine_under_ddp_and_fsdp_generates_the_one_process_rollouts(tmp_path, run):
+    """engine=hf with 2 ranks (each rank replays the step with an engine of its own, started
+    from the checkpoint rank 0 writes; under FSDP from the gathered shards, and synced before
+    each step from the streamed bucketed gather): with the same seed every step's rollouts
+    (rewards), loss and engine/trainer logprob gap are the one-process engine=hf run's, so the
+    engines served the trained weights at every step."""
+    steps = 3
+    one = tmp_path / "one"
+    in_process("grpo", one, "engine=hf", f"recipe.num_steps={steps}")
+    ref = rows(one)
+    for trainer in ("ddp_cpu", "fsdp_cpu"):
+        out = tmp_path / trainer
+        run("grpo", out, "engine=hf", f"trainer={trainer}", f"recipe.num_steps={steps}")
+        result = json.loads((out / "result.json").read_text())
+        assert result["engine"] == "hf" and result["weight_syncs"] == steps - 1, trainer
+        for g, r in zip(rows(out), ref, strict=True):
+            assert float(g["reward"]) == pytest.approx(float(r["reward"]), abs=1e-5), trainer
+            assert float(g["loss"]) == pytest.approx(float(r["loss"]), rel=1e-4, abs=1e-6)
+            assert float(g["logprob_gap"]) < 1e-4, trainer

@@ -104,3 +104,38 @@ def test_a_partial_update_is_refused_and_the_engine_keeps_serving(engine_case):
     assert engine.weight_version == version
     assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY, seeds=[0, 0, 0])] == \
         [c.token_ids for c in before]
+
+
+def test_streamed_weights_sync_as_a_list_does_and_a_bad_announcement_copies_nothing(engine_case):
+    """``StreamedWeights`` (what a sharded trainer hands its engine: full tensors made one at a
+    time): the same sync as the whole list; names or shapes announced wrong are refused before
+    a single tensor is made, and the engine keeps serving."""
+    from tq_plugin.rollout.engine import StreamedWeights
+
+    engine, policy = engine_case
+
+    def streamed(model, *, drop: int = 0, made: list | None = None) -> StreamedWeights:
+        named = list(engine_weights(model, engine.name) if engine.name != "native"
+                     else model.named_parameters())
+
+        def stream():
+            for name, tensor in named:
+                if made is not None:
+                    made.append(name)
+                yield name, tensor.detach().clone()
+
+        return StreamedWeights({n: tuple(t.shape) for n, t in named[drop:]}, stream)
+
+    old = [trainer_greedy(policy, p, GREEDY.max_new_tokens) for p in PROMPTS]
+    trained = make_policy(seed=1)
+    new = [trainer_greedy(trained, p, GREEDY.max_new_tokens) for p in PROMPTS]
+    version = engine.weight_version
+    made: list[str] = []
+    with pytest.raises(ValueError, match=f"engine={engine.name}"):
+        engine.update_weights(streamed(trained, drop=1, made=made), version=version + 1)
+    assert made == [] and engine.weight_version == version
+    assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY, seeds=[0, 0, 0])] == old
+    engine.update_weights(streamed(trained), version=version + 1)
+    assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY, seeds=[0, 0, 0])] == new
+    engine.update_weights(streamed(policy), version=version + 2)  # the module's weights back
+    assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY, seeds=[0, 0, 0])] == old

@@ -61,6 +61,7 @@ def test_an_engine_with_its_own_weights_is_synced_before_each_step(tmp_path, eng
     ([*HF, "engine=hf", "tq/staging=media"], "engine=hf reads no pixels"),
     (["model=hf_causal_lm", "model.n_heads=4", "engine=vllm"],
      "engine=vllm: vLLM's CPU attention fails on head_dim=16"),
+    ([*HF, "engine=vllm", "trainer=ddp_cpu"], "engine=vllm runs with one trainer process"),
 ])
 def test_a_combination_that_cannot_run_stops_at_setup_naming_engine(tmp_path, overrides, match):
     recipe = recipe_for(tmp_path, [*overrides, *FAST])

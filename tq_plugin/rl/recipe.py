@@ -217,11 +217,14 @@ class RLRecipe:
 
     def _build_engine(self) -> Any:
         """The colocated run's engine: the policy itself (``native``), or a copy started from
-        the HF checkpoint written into the run dir."""
+        the HF checkpoint written into the run dir (by rank 0; when every rank generates, each
+        rank's engine starts from it, and a sharded policy's ranks gather it together)."""
         policy, name = self.module.policy, self.engine_cfg.name
         checkpoint = None
         if name != "native":
-            checkpoint = write_engine_checkpoint(policy, self.output_dir / "engine_init")
+            checkpoint = write_engine_checkpoint(
+                policy, self.output_dir / "engine_init", rank=self.trainer.global_rank,
+                barrier=self.trainer.strategy.barrier if self.replicated else None)
         return build_engine(self.engine_cfg, model=policy, checkpoint=checkpoint,
                             max_model_len=int(self.cfg.model.max_seq_len), weight_version=0)
 
@@ -278,9 +281,9 @@ class RLRecipe:
         # FSDP2 over several ranks: every forward of the models is a collective all ranks join.
         self.sharded = (self.world_size > 1
                         and type(self.trainer.strategy).__name__ == "ModelParallelStrategy")
-        if self.world_size > 1 and self.engine_cfg.name != "native":
-            raise EngineError(f"engine={self.engine_cfg.name} runs with one trainer process: "
-                              f"use engine=native with several ranks (trainer=ddp_cpu)")
+        if self.world_size > 1 and self.engine_cfg.name == "vllm":
+            raise EngineError("engine=vllm runs with one trainer process: use engine=hf or "
+                              "engine=native with several ranks (trainer=ddp_cpu, fsdp_cpu)")
         # Every rank attaches to one store: started here, before the ranks exist, when the
         # config names no cluster (see tq_plugin.rl.ranks).
         self.cluster_address = (ranks.share_store_across_ranks(self.cfg.tq.backend)
@@ -444,15 +447,19 @@ class RLRecipe:
         if sharded and self.rc.save_artifacts and not interrupted:  # every rank joins the gathers
             sharding.save_final_full_weights(self.output_dir, policy=self.module.policy,
                                              value=self.module.value, rank=trainer.global_rank)
+        evaluated = None
+        if (self.rc.eval_every and not interrupted and self.engine is not None
+                and (sharded or trainer.is_global_zero)):  # sharded: every rank's forwards
+            self._sync_engine(self.rc.num_steps)  # the trained weights
+            evaluated = self._evaluate()
         if not trainer.is_global_zero:
             return
         merged = ranks.merge_rank_steps([rank_steps for rank_steps, _ in per_rank])
         self.metrics.steps = self.step_callback.restored + merged
         summary = self.metrics.summary(sum(t for _, t in per_rank))
         summary["engine"] = self.engine_cfg.name
-        if self.rc.eval_every and not interrupted and self.engine is not None:
-            self._sync_engine(self.rc.num_steps)  # the trained weights
-            summary[EVAL] = self._evaluate()
+        if evaluated is not None:
+            summary[EVAL] = evaluated
             for logger in trainer.loggers:
                 logger.log_metrics({f"eval/{k}": v for k, v in summary[EVAL].items()},
                                    step=trainer.global_step)

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from safetensors import safe_open
 from safetensors.torch import load_model, save_model
 from torch import nn
 
+from tq_plugin.rl import sharding
 from tq_plugin.rollout import NamedWeights
+from tq_plugin.rollout.engine import StreamedWeights
 
 POLICY_WEIGHTS = "policy.safetensors"
 VALUE_WEIGHTS = "value.safetensors"
@@ -69,23 +72,44 @@ def hf_backbone(policy: nn.Module) -> nn.Module | None:
     return backbone if hasattr(backbone, "save_pretrained") else None
 
 
-def write_engine_checkpoint(policy: nn.Module, directory: str | Path) -> Path:
+def write_engine_checkpoint(policy: nn.Module, directory: str | Path, *, rank: int = 0,
+                            barrier: Callable[[], None] | None = None) -> Path:
     """Save the policy's transformers model as an HF checkpoint (config + safetensors) that the
     ``hf`` and ``vllm`` engines start from. The policy's output restriction is not in it: the
-    engines apply it from the sampling parameters."""
+    engines apply it from the sampling parameters.
+
+    Several ranks (``rank``; ``barrier``: when every rank builds an engine from the one
+    ``directory``): rank 0 writes (as transformers' ``save_pretrained`` does under
+    ``torch.distributed``), the others wait at ``barrier``. A sharded (FSDP2) policy's full
+    tensors are gathered first, a bounded bucket at a time, every rank joining each gather
+    (``sharding.full_state_dict``: rank 0 keeps them)."""
     backbone = hf_backbone(policy)
     if backbone is None:
         raise ValueError(f"{type(policy).__qualname__} is not an HF-format policy")
     directory = Path(directory)
-    backbone.save_pretrained(str(directory))
+    state = sharding.full_state_dict(backbone, rank=rank) if sharding.is_sharded(backbone) else None
+    if rank == 0:
+        backbone.save_pretrained(str(directory), state_dict=state)
+    del state
+    if barrier is not None:
+        barrier()
     return directory
 
 
 def engine_weights(policy: nn.Module, engine: str) -> NamedWeights:
     """The policy's weights named as ``engine``'s model names them: the module's own parameters
-    for ``native``, the transformers model's (the checkpoint's names) for ``hf`` and ``vllm``."""
-    source = policy if engine == "native" else hf_backbone(policy)
-    return source.named_parameters()
+    for ``native``, the transformers model's (the checkpoint's names) for ``hf`` and ``vllm``.
+
+    A sharded (FSDP2) policy's go to ``hf`` and ``vllm`` as ``StreamedWeights``: full tensors
+    gathered a bounded bucket at a time while the engine copies them in (a collective: every
+    rank syncs its engine in step). ``native`` serves the policy itself: nothing to copy."""
+    if engine == "native":
+        return policy.named_parameters()
+    named = list(hf_backbone(policy).named_parameters())
+    if not sharding.is_sharded(policy):
+        return named
+    return StreamedWeights({n: tuple(p.shape) for n, p in named},
+                           lambda: sharding.iter_full_tensors(named))
 
 
 __all__ = ["POLICY_WEIGHTS", "VALUE_WEIGHTS", "engine_weights", "hf_backbone", "load_weights",

