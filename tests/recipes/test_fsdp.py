@@ -422,3 +422,27 @@ def test_an_hf_engine_under_ddp_and_fsdp_generates_the_one_process_rollouts(tmp_
             assert float(g["reward"]) == pytest.approx(float(r["reward"]), abs=1e-5), trainer
             assert float(g["loss"]) == pytest.approx(float(r["loss"]), rel=1e-4, abs=1e-6)
             assert float(g["logprob_gap"]) < 1e-4, trainer
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ckpt_path_resumes_a_disaggregated_fsdp_run(tmp_path, run):
+    """A disaggregated GRPO run under trainer=fsdp_cpu writes recipe.checkpoint_every's sharded
+    checkpoint at step 2; ckpt_path resumes it to 5 steps with new workers, and every prompt
+    group of steps 0..4 trains exactly once, within the staleness bound."""
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    common = ("trainer=fsdp_cpu", "tq/backend=ray", "recipe.topology=disaggregated",
+              "recipe.rollout_workers=1", "++tq.backend.ray_init.log_to_driver=false")
+    run("grpo", first, *common, "recipe.num_steps=3", "recipe.checkpoint_every=2")
+    ckpt = first / "checkpoints" / "last.ckpt"
+    assert ckpt.is_dir() and len(list(ckpt.glob("*.distcp"))) == 2
+    run("grpo", resumed, *common, "recipe.num_steps=5", f"ckpt_path='{ckpt}'")
+    summary = json.loads((resumed / "result.json").read_text())
+    assert summary["status"] == "ok" and summary["steps"] == 5
+    assert [int(r["step"]) for r in rows(resumed)] == list(range(5))
+    lines = (resumed / "prompt_groups.jsonl").read_text().splitlines()
+    groups = [json.loads(line) for line in lines]
+    per_step = 4  # FAST: recipe.prompts_per_step=4
+    assert [g["prompt_groups"] for g in groups] == [
+        list(range(s * per_step, (s + 1) * per_step)) for s in range(5)]
+    assert all(g["staleness_max"] <= 1 for g in groups)
