@@ -173,6 +173,38 @@ def test_sharded_gpus_are_accepted_and_lightnings_fsdp1_refused_by_key():
                       _data_parallel_size=2), backend=local, global_batch=8, save_artifacts=True)
 
 
+def test_a_ranks_shard_pass_pads_to_the_busiest_ranks_forward_count():
+    """Sharded disaggregated passes: each rank passes its own rows, then as many throwaway
+    forwards as the busiest rank has more (every FSDP forward is a collective); the rows'
+    logprobs are those of an unpadded pass, and an empty shard only joins the forwards."""
+    from tq_plugin.config import PackingConfig, RecipeConfig
+    from tq_plugin.data_plane import PREV_LOGPROBS, LocalDataPlane
+    from tq_plugin.lightning.demo import SyntheticRollouts, partition_spec
+    from tq_plugin.rl.model import TinyTransformer
+    from tq_plugin.rl.module import RLModule
+
+    torch.manual_seed(0)
+    policy = TinyTransformer(16, d_model=8, n_heads=2, n_layers=1, max_seq_len=64)
+    calls: list[int] = []
+    policy.register_forward_pre_hook(lambda mod, args: calls.append(args[0].numel()))
+    module = RLModule(policy=policy, value=None, recipe=RecipeConfig(algorithm="grpo"),
+                      packing=PackingConfig())
+    client = LocalDataPlane()
+    client.register_partition(**partition_spec())
+    module.dp_client = client
+    meta = SyntheticRollouts(rows=3, vocab_size=16, max_len=10)(0, client)
+    module.forward_pass(meta, role="policy", step=0)
+    plain, own = module.read_from_dataplane(meta, select_fields=[PREV_LOGPROBS]), len(calls)
+    calls.clear()
+    module.forward_pass(meta, role="policy", step=0, pair_with=lambda n: n + 2)
+    assert len(calls) == own + 2 and calls[own:] == [1, 1]  # two one-token forwards
+    again = module.read_from_dataplane(meta, select_fields=[PREV_LOGPROBS])
+    assert torch.equal(again[PREV_LOGPROBS], plain[PREV_LOGPROBS])
+    calls.clear()
+    module.forward_pass(meta.subset([]), role="policy", step=0, pair_with=lambda n: 3)
+    assert calls == [1, 1, 1]
+
+
 def test_each_ranks_peak_memory_is_a_metrics_column():
     from tq_plugin.rl import ranks
     from tq_plugin.rl.metrics import _Step

@@ -75,9 +75,10 @@ step trains the one-process global batch.
 **Sharded trainer** (``trainer=fsdp_cpu``, ``trainer=fsdp``): every forward of an FSDP2 model
 all-gathers its parameters, so the other ranks join what rank 0 did alone under DDP. Every rank
 runs the step source (``MetaDataModule(source_on_every_rank=True)``): rank 0 claims the rows and
-broadcasts their meta, every rank runs the ``prev_logprobs`` and value passes over all of the
-step's rows (the same microbatches, so the collectives pair up; a colocated FSDP run replays the
-step on every rank the same way), and rank 0 alone writes them and computes the advantages.
+broadcasts their meta, each rank runs the ``prev_logprobs`` and value passes over its
+length-balanced shard of the rows and writes them (padding with throwaway forwards to the
+busiest rank's count, so the collectives pair up), and once every rank's rows are written rank 0
+computes the advantages.
 Each publish gathers the policy's full parameters into the flat weights row a bounded bucket at
 a time (``weights_snapshot``: every rank joins the gathers, rank 0 keeps the row), so no rank
 holds a second whole copy of its model beside the row the workers read.
@@ -92,6 +93,7 @@ import sys
 import time
 from typing import Any
 
+import torch
 from hydra.utils import get_class, instantiate
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
@@ -103,6 +105,7 @@ from tq_plugin.data_plane import (
     TOKEN_MASK,
     TOTAL_REWARD,
     KVBatchMeta,
+    shard_meta_for_dp,
 )
 from tq_plugin.data_plane.processes import launcher_for
 from tq_plugin.lightning import MICROBATCH_INFO
@@ -296,11 +299,12 @@ class Disaggregated(Callback):
             meta = chunks[0].concat(*chunks[1:])
             meta = dataclasses.replace(meta, task_name="train", extra_info={})
         t1 = time.perf_counter()
+        roles = ["policy", "value"] if recipe.ppo else ["policy"]
         if recipe.sharded:
-            meta = trainer.strategy.broadcast(meta, src=0)
-        m.forward_pass(meta, role="policy", step=step, write=writer)
-        if recipe.ppo:
-            m.forward_pass(meta, role="value", step=step, write=writer)
+            self._sharded_passes(trainer, meta, roles, step)
+        else:
+            for role in roles:
+                m.forward_pass(meta, role=role, step=step)
         if not writer:
             return None  # the data module broadcasts rank 0's step meta
         recipe._write_advantages(meta)
@@ -324,6 +328,29 @@ class Disaggregated(Callback):
             "collect_s_total": round(
                 recipe.metrics.run_totals.get("collect_s_total", 0.0) + t1 - t0, 3)}
         return meta
+
+    def _sharded_passes(self, trainer: Trainer, meta: KVBatchMeta | None, roles: list[str],
+                        step: int) -> None:
+        """The no-grad passes of a sharded (FSDP) policy and value model: rank 0's step meta is
+        broadcast, each rank passes its length-balanced shard of the rows (reading and writing
+        those rows' columns only) with as many forwards as the busiest rank (the collectives
+        pair up: ``RLModule.forward_pass(pair_with=...)``), and the ranks meet once every
+        rank's rows are written."""
+        strategy, m = trainer.strategy, self.recipe.module
+        meta = strategy.broadcast(meta, src=0)
+        world, rank = trainer.world_size, trainer.global_rank
+        if meta.size >= world:
+            mine = shard_meta_for_dp(meta, dp_world=world)[0][rank]
+        else:  # fewer rows than ranks: one each, the rest only join the collectives
+            mine = meta.subset([rank] if rank < meta.size else [])
+
+        def most(count: int) -> int:
+            tensor = torch.tensor([count], dtype=torch.int64, device=strategy.root_device)
+            return int(strategy.reduce(tensor, reduce_op="max").item())
+
+        for role in roles:
+            m.forward_pass(mine, role=role, step=step, pair_with=most)
+        strategy.barrier("tq_plugin.disaggregated.passes")
 
     def _correct(self, meta: KVBatchMeta) -> Any:
         """The columns the step's checks and metrics need, with its rewards, in one read. The

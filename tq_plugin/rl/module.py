@@ -24,6 +24,7 @@ the clamp changed (``clip(r) != r``), ``approx_kl`` is the mean of ``r - 1 - log
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -124,7 +125,8 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
 
     # ------------------------------------------------------------------ pre-training passes
     @torch.no_grad()
-    def forward_pass(self, meta: KVBatchMeta, *, role: str, step: int, write: bool = True) -> None:
+    def forward_pass(self, meta: KVBatchMeta, *, role: str, step: int,
+                     pair_with: Callable[[int], int] | None = None) -> None:
         """One no-grad pass over the step, written back through the data plane.
 
         ``role="policy"`` writes ``prev_logprobs``, ``role="value"`` writes ``values``. The pass
@@ -132,25 +134,31 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         policy's dispatch), in microbatches under the ``logprob_mb_tokens`` budget and in the
         training layout; each microbatch's output goes back as rows (``dp_rows``). The columns
         are moved to the model's device and its output back to the host before the write.
-        ``write=False`` runs the same passes and writes nothing: the ranks of a sharded model
-        that join the collective forwards of a step another rank writes.
+
+        ``pair_with``: the ranks of a sharded (FSDP) model each passing their own shard of a
+        step; given this rank's microbatch count it returns the most any rank runs, and this
+        rank pads with that many throwaway one-token forwards less its own, so every rank's
+        forwards (each one a collective) pair up.
         """
         model, field = (self.policy, PREV_LOGPROBS) if role == "policy" else (self.value, VALUES)
         task = "prev_lp" if role == "policy" else "value_fwd"
         was_training = model.training
         model.eval()
         device = device_of(model)
-        for mb in plan_step(meta, host=self, fields=[INPUT_IDS, INPUT_LENGTHS], task_name=task,
-                            step=step, mb_tokens_key="logprob_mb_tokens",
-                            micro_batch_size=self.cfg["train_micro_batch_size"]):
-            if not mb.size:
-                continue
+        planned = [] if not meta.size else [
+            mb for mb in plan_step(meta, host=self, fields=[INPUT_IDS, INPUT_LENGTHS],
+                                   task_name=task, step=step, mb_tokens_key="logprob_mb_tokens",
+                                   micro_batch_size=self.cfg["train_micro_batch_size"])
+            if mb.size]
+        for mb in planned:
             td = self.dp_materialize(mb).to(device)
             ids = td[INPUT_IDS]
             out = model(ids, **self._inputs(td, mb))
             out = token_logprobs(out, ids, self.rc.temperature) if role == "policy" else shift_values(out)
-            if write:
-                self.write_to_dataplane(mb, {field: self.dp_rows(out.cpu())})
+            self.write_to_dataplane(mb, {field: self.dp_rows(out.cpu())})
+        if pair_with is not None:
+            for _ in range(pair_with(len(planned)) - len(planned)):
+                model(torch.zeros(1, 1, dtype=torch.int64, device=device))
         model.train(was_training)
 
     # ------------------------------------------------------------------ training
