@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import csv
+import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from pathlib import Path
+from typing import Any, NamedTuple
 
 
 def median_seconds(fn: Callable[[], object], *, runs: int = 7, warmup: int = 2) -> float:
@@ -97,3 +103,36 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+# Variables a distributed launcher sets; a fresh ``tq-train`` must not inherit them.
+LAUNCHER_VARS = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_", "GLOBAL_RANK")
+
+
+class TrainRun(NamedTuple):
+    """A finished ``tq-train`` run: its ``result.json``, its ``metrics.csv`` rows and the
+    command's wall seconds (imports and start-up included)."""
+
+    result: dict[str, Any]
+    rows: list[dict[str, str]]
+    wall_s: float
+
+
+def tq_train(overrides: Sequence[str], *, timeout_s: float = 1800) -> TrainRun:
+    """Run ``tq-train <overrides>`` to its end in a fresh process and run dir (launcher
+    variables dropped); ``RuntimeError`` with its stderr's tail when it fails."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_VARS)}
+    with tempfile.TemporaryDirectory(prefix="tq-bench-run-") as out:
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "tq_plugin.cli", *overrides,
+                               f"hydra.run.dir={out}", "trainer.enable_progress_bar=false"],
+                              env=env, capture_output=True, text=True, timeout=timeout_s,
+                              check=False)
+        wall = time.perf_counter() - t0
+        if proc.returncode:
+            raise RuntimeError(f"tq-train {' '.join(overrides)} exited {proc.returncode}: "
+                               f"{proc.stderr[-3000:]}")
+        result = json.loads((Path(out) / "result.json").read_text())
+        with open(Path(out) / "metrics.csv") as f:
+            rows = list(csv.DictReader(f))
+    return TrainRun(result, rows, wall)

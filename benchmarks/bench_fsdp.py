@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import table
+from benchmarks._common import table, tq_train
 
 SIZES = {"d_model": 512, "n_layers": 8, "n_heads": 8, "max_seq_len": 64}
 VOCAB, BATCH, SEQ = 16, 4, 32
@@ -188,36 +188,20 @@ DONE_WHEN = (
 )
 
 
-def done_when_run(overrides: tuple[str, ...], tmp: Path) -> list[Any]:
+def done_when_run(overrides: tuple[str, ...]) -> list[Any]:
     """One ``tq-train`` run of ``overrides`` to its end: its table row."""
-    import csv
-
-    out = tmp / f"run{len(list(tmp.iterdir()))}"
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_", "GLOBAL_RANK"))}
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "tq_plugin.cli", *overrides,
-                           f"hydra.run.dir={out}", "trainer.enable_progress_bar=false"],
-                          env=env, capture_output=True, text=True, timeout=1800, check=False)
-    wall = time.perf_counter() - t0
-    if proc.returncode:
-        raise RuntimeError(f"tq-train {' '.join(overrides)} exited {proc.returncode}: "
-                           f"{proc.stderr[-2000:]}")
-    result = json.loads((out / "result.json").read_text())
-    with open(out / "metrics.csv") as f:
-        rows = list(csv.DictReader(f))
-    last = rows[-1]
-    return [f"`tq-train {' '.join(overrides)}`", len(rows),
-            f"{result['reward_first_avg']:.3f} → {result['reward_last_avg']:.3f}",
+    run = tq_train(overrides)
+    last = run.rows[-1]
+    return [f"`tq-train {' '.join(overrides)}`", len(run.rows),
+            f"{run.result['reward_first_avg']:.3f} → {run.result['reward_last_avg']:.3f}",
             f"{float(last['peak_mem_mb_rank0']):.0f} / {float(last['peak_mem_mb_rank1']):.0f}",
-            f"{wall:.0f}"]
+            f"{run.wall_s:.0f}"]
 
 
 def main() -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         ranks = {mode: _launch(mode, Path(tmp)) for mode in ("ddp", "fsdp")}
-    with tempfile.TemporaryDirectory() as tmp:
-        runs = [done_when_run(overrides, Path(tmp)) for overrides in DONE_WHEN]
+    runs = [done_when_run(overrides) for overrides in DONE_WHEN]
     size = ranks["ddp"][0]["size_mb"]
     rows = []
     for mode in ("ddp", "fsdp"):

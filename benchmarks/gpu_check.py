@@ -10,35 +10,25 @@ https://download.pytorch.org/whl/cu128' VLLM_SPEC=vllm``. Exits non-zero when a 
 
 from __future__ import annotations
 
-import csv
-import json
-import subprocess
 import sys
-import tempfile
-import time
-from pathlib import Path
+
+from benchmarks._common import tq_train
 
 STEPS = 5
 
 
 def _run(name: str, overrides: list[str]) -> bool:
-    out = Path(tempfile.mkdtemp(prefix=f"tq-gpu-check-{name}-"))
-    cmd = [sys.executable, "-m", "tq_plugin.cli", "--config-name", "grpo", "model=hf_causal_lm",
-           f"recipe.num_steps={STEPS}", "trainer.enable_progress_bar=false",
-           f"hydra.run.dir={out}", *overrides]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    wall = time.perf_counter() - t0
-    if proc.returncode:
-        print(f"{name}: FAILED (exit {proc.returncode}) {' '.join(overrides)}\n{proc.stderr[-3000:]}")
+    try:
+        run = tq_train(["--config-name", "grpo", "model=hf_causal_lm",
+                        f"recipe.num_steps={STEPS}", *overrides])
+    except RuntimeError as e:
+        print(f"{name}: FAILED {' '.join(overrides)}\n{e}")
         return False
-    result = json.loads((out / "result.json").read_text())
-    with open(out / "metrics.csv") as f:
-        last = list(csv.DictReader(f))[-1]
+    result, last = run.result, run.rows[-1]
     peaks = {k: v for k, v in last.items() if k.startswith("peak_mem_mb_rank")}
     print(f"{name}: {' '.join(overrides)} | reward {result['reward_first']:.3f} -> "
           f"{result['reward_last']:.3f} | weight syncs {result.get('weight_syncs', 0)}, median "
-          f"{result.get('weight_sync_s_median', 0)} s | peak MB {peaks} | wall {wall:.1f} s")
+          f"{result.get('weight_sync_s_median', 0)} s | peak MB {peaks} | wall {run.wall_s:.1f} s")
     return True
 
 

@@ -23,7 +23,7 @@ A user's module adopts it in a few lines::
 """
 
 from tq_plugin.lightning.callback import DataPlaneCallback, build_client
-from tq_plugin.lightning.datamodule import MetaDataModule, StepSource
+from tq_plugin.lightning.datamodule import MetaDataModule, StepSource, max_over_ranks
 from tq_plugin.lightning.driver import PackingConfigError, TQDriverMixin
 from tq_plugin.lightning.layout import (
     CU_SEQLENS,
@@ -55,6 +55,7 @@ __all__ = [
     "StepSource",
     "TQDriverMixin",
     "build_client",
+    "max_over_ranks",
     "packed_batch",
     "padded_batch",
     "plan_step",

@@ -45,6 +45,12 @@ class _StepStream(IterableDataset):
         return self.dm.iter_microbatches()
 
 
+def max_over_ranks(strategy: Any, values: list[int]) -> list[int]:
+    """Each of ``values``, the largest any rank holds (a collective every rank calls)."""
+    tensor = torch.tensor(values, dtype=torch.int64, device=strategy.root_device)
+    return [int(v) for v in strategy.reduce(tensor, reduce_op="max").tolist()]
+
+
 class MetaDataModule(LightningDataModule):
     """Yields one rank's microbatch metas, step after step.
 
@@ -129,9 +135,7 @@ class MetaDataModule(LightningDataModule):
         return "shared" if getattr(inner, "shared", True) else "local"
 
     def _reduce_max(self, values: list[int]) -> list[int]:
-        strategy = self._trainer().strategy
-        tensor = torch.tensor(values, dtype=torch.int64, device=strategy.root_device)
-        return [int(v) for v in strategy.reduce(tensor, reduce_op="max").tolist()]
+        return max_over_ranks(self._trainer().strategy, values)
 
     # ------------------------------------------------------------------ iteration
     def iter_microbatches(self) -> Iterator[KVBatchMeta]:

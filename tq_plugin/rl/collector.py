@@ -50,8 +50,8 @@ from tq_plugin.staging.reassembler import FINALIZED_FIELDS_TAG
 
 log = logging.getLogger(__name__)
 READY_TASK = "async_ready"
-_PROMPT_IN_ID = re.compile(r"-p(\d+)-g\d+$")  # a rollout id's prompt index within its chunk
-_ROW_IN_ID = re.compile(r"-p(\d+)-g(\d+)$")  # its prompt and its place in the prompt's group
+# A rollout id's prompt index within its chunk and its place in the prompt's group.
+_ROW_IN_ID = re.compile(r"-p(\d+)-g(\d+)$")
 
 
 def in_row_order(chunk: KVBatchMeta) -> KVBatchMeta:
@@ -234,7 +234,7 @@ class ChunkCollector:
     def prompt_groups(self, chunk: KVBatchMeta) -> list[int]:
         """The prompt-stream indices of a chunk's groups (``slot * chunk_prompts + i``)."""
         base = int(chunk.tags[0][SLOT_TAG]) * self.chunk_prompts
-        return sorted({base + int(_PROMPT_IN_ID.search(sid).group(1)) for sid in chunk.sample_ids})
+        return sorted({base + int(_ROW_IN_ID.search(sid).group(1)) for sid in chunk.sample_ids})
 
     def collect(self, step: int) -> tuple[list[KVBatchMeta], dict[str, Any]]:
         """This step's chunks (its slots, in slot order: ``rows_per_step`` rows, whole groups)

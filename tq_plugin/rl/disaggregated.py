@@ -93,7 +93,6 @@ import sys
 import time
 from typing import Any
 
-import torch
 from hydra.utils import get_class, instantiate
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
@@ -108,7 +107,7 @@ from tq_plugin.data_plane import (
     shard_meta_for_dp,
 )
 from tq_plugin.data_plane.processes import launcher_for
-from tq_plugin.lightning import MICROBATCH_INFO
+from tq_plugin.lightning import MICROBATCH_INFO, max_over_ranks
 from tq_plugin.rl.collector import ChunkCollector
 from tq_plugin.rl.metrics import MetricsLog, _Step
 from tq_plugin.rl.ranks import shares_rows
@@ -336,20 +335,13 @@ class Disaggregated(Callback):
         those rows' columns only) with as many forwards as the busiest rank (the collectives
         pair up: ``RLModule.forward_pass(pair_with=...)``), and the ranks meet once every
         rank's rows are written."""
-        strategy, m = trainer.strategy, self.recipe.module
+        strategy = trainer.strategy
         meta = strategy.broadcast(meta, src=0)
-        world, rank = trainer.world_size, trainer.global_rank
-        if meta.size >= world:
-            mine = shard_meta_for_dp(meta, dp_world=world)[0][rank]
-        else:  # fewer rows than ranks: one each, the rest only join the collectives
-            mine = meta.subset([rank] if rank < meta.size else [])
-
-        def most(count: int) -> int:
-            tensor = torch.tensor([count], dtype=torch.int64, device=strategy.root_device)
-            return int(strategy.reduce(tensor, reduce_op="max").item())
-
+        # The step's rows divide evenly over the ranks (ranks.check_parallel_run).
+        mine = shard_meta_for_dp(meta, dp_world=trainer.world_size)[0][trainer.global_rank]
         for role in roles:
-            m.forward_pass(mine, role=role, step=step, pair_with=most)
+            self.recipe.module.forward_pass(mine, role=role, step=step,
+                                            pair_with=lambda n: max_over_ranks(strategy, [n])[0])
         strategy.barrier("tq_plugin.disaggregated.passes")
 
     def _correct(self, meta: KVBatchMeta) -> Any:

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 from hydra.utils import instantiate
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
+from torch.nn.utils import vector_to_parameters
 
 from tq_plugin.data_plane import LocalDataPlane
 from tq_plugin.data_plane.processes import StopSignal
@@ -104,13 +104,12 @@ def weights_snapshot(model: torch.nn.Module, *, keep: bool = True) -> torch.Tens
     A sharded (FSDP2) model's parameters are gathered into that row a bounded bucket of full
     tensors at a time (``sharding.iter_full_tensors``): a collective, so every rank calls it
     in step; only a rank with ``keep`` builds the row (the others join the gathers and return
-    ``None``), and none holds more than its shard, the row and one bucket at once."""
-    if not sharding.is_sharded(model):
-        if not keep:
-            return None
-        return parameters_to_vector([p.detach() for p in model.parameters()]).float().unsqueeze(0)
+    ``None``), and none holds more than its shard, the row and one bucket at once. A whole
+    model's tensors pass through the same loop (one copy each into the row)."""
+    if not keep and not sharding.is_sharded(model):
+        return None  # no gather to join
     named = list(model.named_parameters())
-    flat = torch.empty(1, sum(p.numel() for _, p in named)) if keep else None
+    flat = torch.empty(1, sum(p.numel() for _, p in named), dtype=torch.float32) if keep else None
     offset = 0
     for _, full in sharding.iter_full_tensors(named, device="cpu"):
         if flat is not None:

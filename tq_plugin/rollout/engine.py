@@ -37,7 +37,10 @@ class StreamedWeights:
     tensors gathered from the shards a bounded bucket at a time, never the whole model at once.
 
     ``shapes``: every tensor's name and full shape, in stream order; ``stream()``: a fresh
-    iterator of ``(name, tensor)`` over the same names, in that order.
+    iterator of ``(name, tensor)`` over the same names, in that order. A stream that fails part
+    way (a tensor that is not what was announced, a failed gather) raises with the engine's
+    weights partly replaced and its ``weight_version`` unchanged: the sync did not happen, and
+    the run stops on the error.
     """
 
     def __init__(self, shapes: Mapping[str, Sequence[int]],
@@ -153,39 +156,29 @@ def sample_from(logits: torch.Tensor, temperature: float, u: torch.Tensor
     return tok, logp.gather(1, tok.unsqueeze(1)).squeeze(1)
 
 
-def check_named(own: Mapping[str, Sequence[int]], given: Mapping[str, Sequence[int]], *,
-                engine: str, what: str = "parameter") -> None:
-    """``ValueError`` unless ``given`` names every one of ``own``'s tensors (name -> shape),
-    each with its shape, and nothing else."""
-    missing, unknown = sorted(set(own) - set(given)), sorted(set(given) - set(own))
-    if missing or unknown:
-        raise ValueError(f"engine={engine}: update_weights must name every {what} "
-                         f"(missing {missing[:3]}, unknown {unknown[:3]})")
-    wrong = [n for n, shape in given.items() if tuple(shape) != tuple(own[n])]
-    if wrong:
-        raise ValueError(f"engine={engine}: update_weights shapes differ for {wrong[:3]}")
-
-
 def copy_named(model: torch.nn.Module, weights: NamedWeights, *, engine: str) -> None:
     """Copy ``weights`` into ``model``'s parameters by name; every parameter must be named with
     its shape, checked before anything is copied. ``StreamedWeights`` are checked by their
-    announced shapes and copied as they stream (each tensor dropped before the next)."""
+    announced shapes and copied as they stream (each tensor dropped before the next is made)."""
     own = dict(model.named_parameters())
-    own_shapes = {n: tuple(p.shape) for n, p in own.items()}
     if isinstance(weights, StreamedWeights):
-        check_named(own_shapes, weights.shapes, engine=engine)
-        with torch.no_grad():
-            for name, tensor in weights:
-                own[name].copy_(tensor)
-                del tensor
-        return
-    given = dict(weights)
-    check_named(own_shapes, {n: tuple(t.shape) for n, t in given.items()}, engine=engine)
+        shapes, stream = weights.shapes, iter(weights)
+    else:
+        given = dict(weights)
+        shapes, stream = {n: tuple(t.shape) for n, t in given.items()}, iter(given.items())
+    missing, unknown = sorted(set(own) - set(shapes)), sorted(set(shapes) - set(own))
+    if missing or unknown:
+        raise ValueError(f"engine={engine}: update_weights must name every parameter "
+                         f"(missing {missing[:3]}, unknown {unknown[:3]})")
+    wrong = [n for n, shape in shapes.items() if tuple(shape) != tuple(own[n].shape)]
+    if wrong:
+        raise ValueError(f"engine={engine}: update_weights shapes differ for {wrong[:3]}")
     with torch.no_grad():
-        for name, tensor in given.items():
-            if tensor is not own[name]:
+        for name, tensor in stream:
+            if tensor is not own[name]:  # the colocated native engine serves the policy itself
                 own[name].copy_(tensor)
+            del tensor
 
 
 __all__ = ["Completion", "EngineError", "NamedWeights", "RolloutEngine", "SamplingParams",
-           "StreamedWeights", "allowed_mask", "check_named", "copy_named", "draw_uniforms", "restrict", "sample_from"]
+           "StreamedWeights", "allowed_mask", "copy_named", "draw_uniforms", "restrict", "sample_from"]

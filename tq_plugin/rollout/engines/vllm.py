@@ -137,8 +137,6 @@ class VLLMEngine:
         if isinstance(weights, StreamedWeights):
             names = set(weights.shapes)
             given: Iterator[tuple[str, torch.Tensor]] = iter(weights)
-            if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":  # pickled: a list
-                given = iter(list(given))
         else:
             pairs = [(n, t.detach()) for n, t in weights]
             names, given = {n for n, _ in pairs}, iter(pairs)
@@ -146,6 +144,9 @@ class VLLMEngine:
             raise ValueError(f"engine=vllm: update_weights must name every checkpoint tensor "
                              f"(missing {sorted(self.names - names)[:3]}, unknown "
                              f"{sorted(names - self.names)[:3]})")
+        if isinstance(weights, StreamedWeights) and \
+                os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+            given = iter(list(given))  # the engine core is another process: the RPC pickles it
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": given})
         self.llm.reset_prefix_cache()
         self.weight_version = version
