@@ -49,7 +49,7 @@ sweep: $(STAMP)
 # the last line printed is the model dir (TINY_OUT/model).
 TINY_OUT ?= outputs/tiny_text
 tiny-model: $(STAMP)
-	$(PY) -m tq_plugin.rl.tiny_model --out $(TINY_OUT)
+	$(PY) -m tq_plugin.rl.tasks.tiny_text --out $(TINY_OUT)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -1,5 +1,5 @@
 """The resume figures of ``benchmarks/RESULTS.md``'s reliability part: the slow test
-``tests/recipes/test_async_resume.py`` run once, the lines it prints gathered.
+``tests/rl/topology/test_async_resume.py`` run once, the lines it prints gathered.
 
 A GRPO run on ``tq/backend=ray`` (2 rollout workers, ``max_staleness=1``, ``checkpoint_every=2``)
 is killed inside step 3 by SIGKILL and by SIGTERM and resumed to 6 steps; each line says how many
@@ -16,7 +16,7 @@ import time
 
 from benchmarks.reliability import _pytest
 
-TEST = "tests/recipes/test_async_resume.py"
+TEST = "tests/rl/topology/test_async_resume.py"
 
 
 def main() -> dict:

@@ -30,8 +30,8 @@ PROMPTS, NEW_TOKENS = 64, 16
 
 
 def _policy(seed: int = 0) -> Any:
-    from tq_plugin.rl.hf_model import HFCausalLM
-    from tq_plugin.rl.task import PatternTask
+    from tq_plugin.rl.models.hf import HFCausalLM
+    from tq_plugin.rl.tasks.pattern import PatternTask
 
     task = PatternTask()
     torch.manual_seed(seed)
@@ -41,8 +41,8 @@ def _policy(seed: int = 0) -> Any:
 
 def generation_and_sync(*, runs: int) -> dict[str, Any]:
     from tq_plugin.config.schema import EngineConfig
-    from tq_plugin.rl.task import EOS
-    from tq_plugin.rl.weights import engine_weights, write_engine_checkpoint
+    from tq_plugin.rl.tasks.pattern import EOS
+    from tq_plugin.rl.models.weights import engine_weights, write_engine_checkpoint
     from tq_plugin.rollout import SamplingParams, build_engine
 
     task, policy = _policy()

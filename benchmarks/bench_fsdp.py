@@ -2,7 +2,7 @@
 
 An ``hf_causal_lm`` policy (llama, d_model 512, 8 layers: ~34 M parameters, 134 MB in float32)
 trains 2 Adam steps on 2 gloo ranks, once wrapped in DDP and once sharded per decoder layer with
-FSDP2 (:func:`tq_plugin.rl.sharding.shard_model`, what ``trainer=fsdp_cpu`` does); each rank
+FSDP2 (:func:`tq_plugin.rl.models.fsdp.shard_model`, what ``trainer=fsdp_cpu`` does); each rank
 reports
 
 * the bytes of parameters + gradients + optimizer state it holds (its local tensors: exact);
@@ -10,7 +10,7 @@ reports
   and sharded).
 
 Then, under FSDP, the gather for a weight sync: rank 0 copies the full weights into a whole
-model of its own (the engine's copy) through :func:`tq_plugin.rl.sharding.iter_full_tensors`
+model of its own (the engine's copy) through :func:`tq_plugin.rl.models.fsdp.iter_full_tensors`
 at several bucket sizes, against a plain copy of the same bytes between two whole models; its
 seconds and the most full bytes it holds at once (the largest bucket), next to the model's size.
 
@@ -82,9 +82,9 @@ def worker(mode: str, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from tq_plugin.rl import sharding
-    from tq_plugin.rl.hf_model import HFCausalLM
-    from tq_plugin.rl.metrics import peak_rss_mb
+    from tq_plugin.rl.models import fsdp as sharding
+    from tq_plugin.rl.models.hf import HFCausalLM
+    from tq_plugin.rl.training.metrics import peak_rss_mb
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -122,8 +122,8 @@ def _sync(policy: Any, rank: int) -> list[dict[str, float]]:
 
     import torch
 
-    from tq_plugin.rl import sharding
-    from tq_plugin.rl.hf_model import HFCausalLM
+    from tq_plugin.rl.models import fsdp as sharding
+    from tq_plugin.rl.models.hf import HFCausalLM
 
     engine = dict(HFCausalLM(VOCAB, **SIZES).named_parameters()) if rank == 0 else {}
     source = {k: v.detach().clone() for k, v in engine.items()}

@@ -38,7 +38,7 @@ def output_dir() -> Path:
 
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Build the recipe named by ``cfg.recipe._target_``, train it and return its summary."""
-    from tq_plugin.rl.metrics import format_summary
+    from tq_plugin.rl.training.metrics import format_summary
 
     # Lightning prints through its own console handler; without this Hydra's root handler
     # repeats every Lightning line.
@@ -66,7 +66,7 @@ def _task(cfg: DictConfig) -> dict[str, Any]:
         log.exception("sweep job failed")
         result = {"status": "failed", "error": f"{type(exc).__name__}: {exc}",
                   "traceback": traceback.format_exc()}
-        from tq_plugin.rl.metrics import RESULT_FILE
+        from tq_plugin.rl.training.metrics import RESULT_FILE
 
         out = output_dir()
         out.mkdir(parents=True, exist_ok=True)
@@ -76,7 +76,7 @@ def _task(cfg: DictConfig) -> dict[str, Any]:
 
 def main(config_name: str = "train") -> None:
     hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name=config_name)(_task)()
-    from tq_plugin.rl.sweep_report import LAST_REPORT
+    from tq_plugin.rl.training.sweep_report import LAST_REPORT
 
     if LAST_REPORT.get("failed"):
         sys.exit(1)

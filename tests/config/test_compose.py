@@ -112,7 +112,7 @@ def test_option_composes_validates_and_instantiates(compose_train, tmp_path, gro
         assert packing == typed["tq.packing"]
     elif group == "task" and option == "prompts":
         pytest.importorskip("datasets", reason="the prompts extra is not installed")
-        from tq_plugin.rl.tiny_model import reverse_rows, train_tokenizer
+        from tq_plugin.rl.tasks.tiny_text import reverse_rows, train_tokenizer
 
         rows = reverse_rows(4)
         (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -127,7 +127,7 @@ def test_option_composes_validates_and_instantiates(compose_train, tmp_path, gro
     elif group == "model":
         from torch import nn
 
-        from tq_plugin.rl.model import TinyTransformer
+        from tq_plugin.rl.models.tiny import TinyTransformer
 
         model = instantiate(node, vocab_size=16)
         assert isinstance(model, TinyTransformer if option == "tiny_transformer" else nn.Module)

@@ -11,7 +11,7 @@ HEAVY = ("torch", "lightning", "tensordict", "pytorch_lightning")
 def test_config_and_plugin_import_without_torch():
     code = (
         "import sys, tq_plugin.config, hydra_plugins.tq_plugin, hydra_plugins.tq_plugin.sweeper\n"
-        "import tq_plugin.rl.sweep_report  # built by Hydra before any job runs\n"
+        "import tq_plugin.rl.training.sweep_report  # built by Hydra before any job runs\n"
         f"heavy = sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r})\n"
         "print(','.join(heavy))\n"
     )

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from tq_plugin.config.schema import EngineConfig
-from tq_plugin.rl.task import EOS, PatternTask
-from tq_plugin.rl.weights import write_engine_checkpoint
+from tq_plugin.rl.tasks.pattern import EOS, PatternTask
+from tq_plugin.rl.models.weights import write_engine_checkpoint
 from tq_plugin.rollout import build_engine
 
 pytest.importorskip("transformers")
-from tq_plugin.rl.hf_model import HFCausalLM
+from tq_plugin.rl.models.hf import HFCausalLM
 
 ENGINE_NAMES = ["native", "hf", "vllm"]
 HAS_VLLM = importlib.util.find_spec("vllm") is not None

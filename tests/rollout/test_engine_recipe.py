@@ -85,7 +85,7 @@ def test_a_weight_sync_that_did_not_happen_shows(tmp_path, caplog, monkeypatch, 
     if not sync:  # the push "succeeds" and changes nothing, as a silent non-sync does
         monkeypatch.setattr(HFEngine, "update_weights",
                             lambda self, weights, *, version: setattr(self, "weight_version", version))
-    caplog.set_level("WARNING", logger="tq_plugin.rl.metrics")
+    caplog.set_level("WARNING", logger="tq_plugin.rl.training.metrics")
     summary = run(tmp_path, [*HF, "engine=hf", *FAST, "recipe.num_steps=4", "recipe.lr=3e-2"])
     if sync:
         assert summary["max_logprob_gap"] < 1e-4

@@ -15,7 +15,7 @@ from tq_plugin.data_plane import (
     TOKEN_MASK,
     LocalDataPlane,
 )
-from tq_plugin.rl.task import EOS, PAD
+from tq_plugin.rl.tasks.pattern import EOS, PAD
 from tq_plugin.rollout import RolloutWorker
 from tq_plugin.staging import RolloutReassembler
 from tq_plugin.staging.factory import build_token_sink

@@ -1,19 +1,13 @@
 """``RLRecipe``: PPO or GRPO on the synthetic pattern task, one Lightning fit over RL steps.
 
 torchtune-style: one class, ``setup`` / ``train`` / ``cleanup``, private ``_setup_*`` helpers.
-Each RL step (``prepare_step``), inside the fit's dataloader:
-
-1. the rollout engine (``engine=native|hf|vllm``, ``tq_plugin.rollout``) generates multi-turn
-   rollouts, every call staged through ``TQTokenSink`` with the engine's own tokens, logprobs
-   and weight version. An ``hf`` or ``vllm`` engine holds its own copy of the policy, started
-   from an HF checkpoint the recipe writes into the run dir (``engine_init/``) and brought to
-   the trainer's weights before each step's rollouts (``rl/weight_sync_s``);
-2. ``RolloutReassembler.finalize_group`` verifies the staged calls against the receipts and
-   writes the training rows (``first_write``) into the train partition, returning the meta;
-3. per-turn rewards, ``prev_logprobs`` (policy) and ``values`` (PPO's value model) are written
-   back through the data plane; advantages are computed from columns read back and written too;
-4. ``MetaDataModule`` cuts the step into microbatch metas under the configured packing, once
-   per ``ppo_epochs``; the module reads each microbatch's columns through ``MetaBatchMixin``.
+Each RL step comes from a step source (``tq_plugin.rl.topology``): ``Colocated`` generates the
+step's rollouts in this process with the rollout engine (``engine=native|hf|vllm``), every call
+staged through ``TQTokenSink``, then writes the verified rows, ``prev_logprobs``, values and
+advantages through the data plane; ``Disaggregated`` claims rows that rollout workers generated
+ahead. ``MetaDataModule`` cuts each step into microbatch metas under the configured packing, once
+per ``ppo_epochs``; the module (``tq_plugin.rl.training.RLModule``) reads each microbatch's
+columns through ``MetaBatchMixin``.
 
 ``DataPlaneCallback`` owns the client (built from ``tq.backend``), meters what crosses it and
 clears each step's rows after its last microbatch. ``RLStepCallback`` carries each step's loss
@@ -25,7 +19,7 @@ generator and the finished steps' metrics, so ``ckpt_path=...`` resumes a run to
 (``PeriodicCheckpoint``): what a killed run resumes from.
 
 Under DDP (``trainer=ddp_cpu``) each rank trains on its length-balanced shard of the same global
-batch one process would train on; ``tq_plugin.rl.ranks`` says how the step is split per backend.
+batch one process would train on; ``tq_plugin.rl.training.ranks`` says how the step is split per backend.
 """
 
 from __future__ import annotations
@@ -34,7 +28,6 @@ import copy
 import json
 import logging
 import signal
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -46,53 +39,27 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from omegaconf import DictConfig, open_dict
 
-from tq_plugin.config import ConfigError, PackingConfig, RecipeConfig, validate_config
+from tq_plugin.config import PackingConfig, RecipeConfig, validate_config
 from tq_plugin.config.schema import EngineConfig
-from tq_plugin.data_plane import (
-    ADVANTAGES,
-    GENERATION_LOGPROBS,
-    INPUT_LENGTHS,
-    PREV_LOGPROBS,
-    RETURNS,
-    SAMPLE_MASK,
-    TOKEN_MASK,
-    TOTAL_REWARD,
-    VALUES,
-    KVBatchMeta,
-    LocalDataPlane,
-)
+from tq_plugin.data_plane import KVBatchMeta, LocalDataPlane
 from tq_plugin.lightning import MICROBATCH_INFO, DataPlaneCallback, MetaDataModule
 from tq_plugin.lightning.instantiators import instantiate_callbacks, instantiate_loggers
-from tq_plugin.rl import ranks, sharding
-from tq_plugin.rl.advantages import gae, group_relative, turn_end_rewards, whiten
-from tq_plugin.rl.disaggregated import Disaggregated
-from tq_plugin.rl.evaluation import EVAL, EvalLog, evaluate
-from tq_plugin.rl.metrics import RESULT_FILE, MetricsLog
-from tq_plugin.rl.model_protocol import check_models
-from tq_plugin.rl.module import RLModule
-from tq_plugin.rl.prompts import TaskState
-from tq_plugin.rl.step_callbacks import RL_STEP, PeriodicCheckpoint, RLStepCallback, SigtermStop
-from tq_plugin.rl.task import IMG
-from tq_plugin.rl.weights import (
-    engine_weights,
-    hf_backbone,
-    save_final_weights,
-    write_engine_checkpoint,
-)
-from tq_plugin.rl.workers import TURN_REWARDS
-from tq_plugin.rollout import EngineError, RolloutWorker, build_engine
-from tq_plugin.staging import RolloutReassembler
+from tq_plugin.rl.models import fsdp as sharding
+from tq_plugin.rl.models.protocol import check_models
+from tq_plugin.rl.models.weights import hf_backbone, save_final_full_weights, save_final_weights
+from tq_plugin.rl.tasks.prompts import TaskState
+from tq_plugin.rl.topology.build import build_model, build_task, engine_config
+from tq_plugin.rl.topology.colocated import Colocated, RolloutStream
+from tq_plugin.rl.topology.disaggregated import AsyncMetricsLog, Disaggregated
+from tq_plugin.rl.training import ranks
+from tq_plugin.rl.training.callbacks import PeriodicCheckpoint, RLStepCallback, SigtermStop
+from tq_plugin.rl.training.evaluation import EVAL, EvalLog
+from tq_plugin.rl.training.metrics import RESULT_FILE, MetricsLog
+from tq_plugin.rl.training.module import RLModule
+from tq_plugin.rollout import EngineError
 
 log = logging.getLogger(__name__)
 SIGTERM_EXIT = 128 + signal.SIGTERM
-
-
-def action_tokens_and_gap(td: Any) -> tuple[int, float]:
-    """``(action tokens, largest |generation_logprobs - prev_logprobs| over them)`` of rows read
-    with their token and sample masks (``RLRecipe._check_rows``)."""
-    mask = (td[TOKEN_MASK] > 0) & (td[SAMPLE_MASK] > 0).unsqueeze(1)
-    gap = ((td[GENERATION_LOGPROBS] - td[PREV_LOGPROBS]).abs() * mask).max()
-    return int(mask.sum()), float(gap)
 
 
 class RLRecipe:
@@ -103,10 +70,9 @@ class RLRecipe:
         self.output_dir = Path(output_dir)
         self.cfg = self._pin_logger_dirs(cfg)
         self.rc: RecipeConfig = typed["recipe"]
-        self.engine_cfg: EngineConfig = typed.get("engine") or EngineConfig()
+        self.engine_cfg: EngineConfig = typed.get("engine") or engine_config(cfg)
         self.packing: PackingConfig = instantiate(cfg.tq.packing)
         self.media = bool(cfg.tq.staging.capture_media)
-        self.ppo = self.rc.algorithm == "ppo"
 
     def _pin_logger_dirs(self, cfg: DictConfig) -> DictConfig:
         """A copy of ``cfg`` whose loggers write under this run's output dir: their
@@ -119,22 +85,6 @@ class RLRecipe:
                     node.save_dir = str(self.output_dir)
         return cfg
 
-    def __getstate__(self) -> dict[str, Any]:
-        # ddp_spawn pickles the recipe (the step source is its bound method) through
-        # torch.multiprocessing, which cannot rebuild a torch.Generator: ship its state as bytes
-        # (a tensor made here would be freed before the child maps its shared memory).
-        state = dict(self.__dict__)
-        if "generator" in state:
-            state["generator"] = state["generator"].get_state().numpy().tobytes()
-        state["engine"] = None  # each process builds its own
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        if "generator" in state:
-            rng = torch.frombuffer(bytearray(state["generator"]), dtype=torch.uint8)
-            state["generator"] = torch.Generator().set_state(rng)
-        self.__dict__.update(state)
-
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         # MetaBatchMixin overrides the module's batch-transfer hooks on purpose.
@@ -144,24 +94,17 @@ class RLRecipe:
         if self.rc.num_threads:
             torch.set_num_threads(self.rc.num_threads)
         torch.manual_seed(self.rc.seed)
-        self.task = instantiate(self.cfg.task, media=self.media, seed=self.rc.seed)
-        if self.rc.topology == "disaggregated" and hasattr(self.task, "state_dict"):
-            raise ConfigError(f"task={self.task.name} runs with recipe.topology=colocated (the "
-                              f"rollout workers build the pattern task)")
-        # One rollout stream for the run, the same on every rank (see tq_plugin.rl.ranks).
-        self.generator = torch.Generator().manual_seed(self.rc.seed + 1009)
+        self.task = build_task(self.cfg)
+        # One rollout stream for the run, the same on every rank (see tq_plugin.rl.training.ranks).
+        self.rollouts = RolloutStream(self.rc.seed)
         self.summary: dict[str, Any] | None = None
         self._setup_models()
         self._check_engine()
-        self.engine: Any = None
-        self.weight_sync_s: list[float] = []
-        self.disaggregated = Disaggregated(self) if self.rc.topology == "disaggregated" else None
+        disaggregated = self.rc.topology == "disaggregated"
+        self.metrics = (AsyncMetricsLog if disaggregated else MetricsLog)(
+            self.output_dir, packing=self.packing.mode)
         self._setup_trainer()
-        self.metrics = MetricsLog(self.output_dir, packing=self.packing.mode)
-        if self.disaggregated is not None:  # rollout workers; metrics gain their columns
-            self.metrics = self.disaggregated.metrics_log(self.metrics)
         self.module.step_hook = self._after_microbatch
-        self.sink = self.reassembler = self.worker = None
 
     def _after_microbatch(self, meta: KVBatchMeta, stats: dict[str, float]) -> None:
         self.metrics.on_microbatch(meta, stats)
@@ -170,13 +113,11 @@ class RLRecipe:
 
     def _setup_models(self) -> None:
         max_len = self.task.max_sequence_length(self.rc.max_new_tokens)
-        common = {"vocab_size": self.task.vocab_size, "image_token_id": IMG,
-                  "patch_dim": self.task.patch_dim if self.media else None}
         if max_len > self.cfg.model.max_seq_len:
             raise ValueError(f"model.max_seq_len={self.cfg.model.max_seq_len} is shorter than the "
                              f"task's longest episode ({max_len} tokens)")
-        policy = instantiate(self.cfg.model, output_token_ids=self.task.output_token_ids, **common)
-        value = instantiate(self.cfg.model, value_head=True, **common) if self.ppo else None
+        policy = build_model(self.cfg, self.task)
+        value = build_model(self.cfg, self.task, value_head=True) if self.rc.algorithm == "ppo" else None
         check_models(policy, value, vocab_size=self.task.vocab_size, layout=self.packing.layout,
                      media=self.media)
         # The IS correction is on where the rows' generating policy is not the trained module:
@@ -215,56 +156,28 @@ class RLRecipe:
                 raise EngineError(f"engine=vllm: vLLM is not installed; {INSTALL_HINT}, or use "
                                   f"engine=hf")
 
-    def _build_engine(self) -> Any:
-        """The colocated run's engine: the policy itself (``native``), or a copy started from
-        the HF checkpoint written into the run dir (by rank 0; when every rank generates, each
-        rank's engine starts from it, and a sharded policy's ranks gather it together)."""
-        policy, name = self.module.policy, self.engine_cfg.name
-        checkpoint = None
-        if name != "native":
-            checkpoint = write_engine_checkpoint(
-                policy, self.output_dir / "engine_init", rank=self.trainer.global_rank,
-                barrier=self.trainer.strategy.barrier if self.replicated else None)
-        return build_engine(self.engine_cfg, model=policy, checkpoint=checkpoint,
-                            max_model_len=int(self.cfg.model.max_seq_len), weight_version=0)
-
-    def _sync_engine(self, step: int) -> None:
-        """Bring the engine to the trainer's weights of ``step`` (those after the previous
-        step's last optimizer step) before it generates; log ``rl/weight_sync_s``.
-
-        Colocated, the engine generates only between RL steps, so one push per step is every
-        push that can change a rollout: ``recipe.weights_every`` matters to the disaggregated
-        topology, whose workers generate while the trainer trains."""
-        if self.engine.weight_version == step:
-            return
-        t0 = time.perf_counter()
-        self.engine.update_weights(engine_weights(self.module.policy, self.engine.name),
-                                   version=step)
-        seconds = time.perf_counter() - t0
-        self.weight_sync_s.append(seconds)
-        if self.trainer.is_global_zero:
-            for logger in self.trainer.loggers:
-                logger.log_metrics({"rl/weight_sync_s": seconds}, step=self.trainer.global_step)
-
-    def close_engine(self) -> None:
-        """Release the engine (idempotent); the recipe's cleanup and a failed fit call it."""
-        engine, self.engine = getattr(self, "engine", None), None
-        if engine is not None:
-            engine.close()
-
     def _setup_trainer(self) -> None:
         self.callback = DataPlaneCallback(  # the store is chosen once the world size is known
             self._train_store, role="policy",
             partitions=[{"partition_id": self.rc.train_partition, "fields": []}],
         )
-        self.step_callback = RLStepCallback(self)
+        self.step_callback = RLStepCallback(metrics=self.metrics, rollouts=self.rollouts,
+                                            dp_callback=self.callback,
+                                            write_artifacts=self.write_artifacts)
         self.sigterm_checkpoint = self.output_dir / "checkpoints" / "sigterm.ckpt"
         max_steps = self.rc.num_steps * self.rc.ppo_epochs * self.rc.minibatches
         self.sigterm = SigtermStop(self.sigterm_checkpoint)
         self.periodic = PeriodicCheckpoint(self.sigterm_checkpoint.parent,
                                            self.rc.checkpoint_every or 0)
-        # The task's own state (task=prompts: its dataset cursor) rides the checkpoint too.
-        own = [TaskState(self.task)] if hasattr(self.task, "state_dict") else []
+        self.disaggregated = None
+        if self.rc.topology == "disaggregated":  # the workers build their own task and engine
+            self.disaggregated = Disaggregated(
+                self.cfg, rc=self.rc, module=self.module, metrics=self.metrics,
+                dp_callback=self.callback, sigterm=self.sigterm, turns=self.task.turns)
+        # The task's own state (task=prompts: its dataset cursor) rides the checkpoint too;
+        # disaggregated, the ledger's prompt-stream slots say which rows come next.
+        own = ([TaskState(self.task)]
+               if hasattr(self.task, "state_dict") and self.disaggregated is None else [])
         callbacks = [self.callback, self.step_callback, self.sigterm, *own, EvalLog(),
                      *([self.disaggregated] if self.disaggregated else []), *instantiate_callbacks(
             self.cfg.get("callbacks"),
@@ -278,14 +191,12 @@ class RLRecipe:
                                  save_artifacts=self.rc.save_artifacts,
                                  topology=self.rc.topology)
         self.world_size = self.trainer.world_size
-        # FSDP2 over several ranks: every forward of the models is a collective all ranks join.
-        self.sharded = (self.world_size > 1
-                        and type(self.trainer.strategy).__name__ == "ModelParallelStrategy")
+        self.sharded = ranks.is_sharded_run(self.trainer)
         if self.world_size > 1 and self.engine_cfg.name == "vllm":
             raise EngineError("engine=vllm runs with one trainer process: use engine=hf or "
                               "engine=native with several ranks (trainer=ddp_cpu, fsdp_cpu)")
         # Every rank attaches to one store: started here, before the ranks exist, when the
-        # config names no cluster (see tq_plugin.rl.ranks).
+        # config names no cluster (see tq_plugin.rl.training.ranks).
         self.cluster_address = (ranks.share_store_across_ranks(self.cfg.tq.backend)
                                 if self.world_size > 1 else None)
         shared = ranks.rank_shared_store(self.cfg.tq.backend)
@@ -295,8 +206,12 @@ class RLRecipe:
                 + ("rank 0 generates each step into the shared store" if shared else
                    "every rank replays each step's rollouts into its embedded store")
                 + "; each rank trains on a length-balanced shard of the global batch")
+        self.replicated = not shared and self.world_size > 1
+        self.source = self.disaggregated or Colocated(
+            self.cfg, rc=self.rc, task=self.task, module=self.module, rollouts=self.rollouts,
+            output_dir=self.output_dir, replicated=self.replicated, global_batch=self.global_batch)
         self.datamodule = MetaDataModule(
-            self.prepare_step,
+            self.source.prepare_step,
             num_steps=self.rc.num_steps, fields=self.module.train_fields, task_name="train",
             role="policy", epochs_per_step=self.rc.ppo_epochs,
             global_batch_size=self.global_batch,
@@ -305,7 +220,6 @@ class RLRecipe:
             # The disaggregated step's no-grad passes of a sharded model need every rank.
             source_on_every_rank=self.sharded and self.disaggregated is not None,
         )
-        self.replicated = not shared and self.world_size > 1
 
     def _train_store(self) -> Any:
         """The store the steps' training rows live in: the ``DataPlaneCallback``'s client, which
@@ -322,87 +236,11 @@ class RLRecipe:
             return False
         return instantiate_loggers(self.cfg.get("logger")) or False
 
-    def _setup_data_path(self) -> None:
-        """Staging sink, rollout worker and reassembler, on the client the callback built."""
-        client = self.module.dp_client
-        self.sink = instantiate(self.cfg.tq.staging)(client)
-        self.worker = RolloutWorker(task=self.task, sink=self.sink, temperature=self.rc.temperature,
-                                    max_new_tokens=self.rc.max_new_tokens,
-                                    stop_token_id=self.task.eos_token_id,
-                                    allowed_token_ids=self.task.output_token_ids)
-        if self.engine is None:
-            self.engine = self._build_engine()
-        self.reassembler = RolloutReassembler(client, staging_partition=self.sink.staging_partition,
-                                              capture_media=self.media,
-                                              pad_token_id=self.task.pad_token_id,
-                                              clear_staged=True)
-
-    # ------------------------------------------------------------------ one RL step
-    def prepare_step(self, step: int, client: Any = None) -> KVBatchMeta:
-        """Rollouts → staged calls → verified training rows → logprobs, values, advantages.
-
-        The step source of the ``MetaDataModule`` (a bound method, so it pickles for
-        ``ddp_spawn``). Returns the step meta, or under DDP on the embedded store this rank's
-        shard of it.
-        """
-        if getattr(self, "disaggregated", None) is not None:
-            return self.disaggregated.prepare_step(step)
-        if self.worker is None:
-            self._setup_data_path()
-        m = self.module
-        self._sync_engine(step)
-        evaluated = self._evaluate() if self.rc.eval_every and step % self.rc.eval_every == 0 else {}
-        t0 = time.perf_counter()
-        batch = self.worker.run(self.engine, step=step, prompts=self.rc.prompts_per_step,
-                                group_size=self.rc.group_size, generator=self.generator)
-        t1 = time.perf_counter()
-        meta = self.reassembler.finalize_group(batch.receipts, partition_id=self.rc.train_partition)
-        m.write_to_dataplane(meta, {TURN_REWARDS: batch.turn_scores / self.task.turns})
-        m.forward_pass(meta, role="policy", step=step)
-        if self.ppo:
-            m.forward_pass(meta, role="value", step=step)
-        self._write_advantages(meta)
-        actions, lp_gap = self._check_rows(meta)
-        # Plain JSON values: DataPlaneCallback checkpoints the step meta (a resume reuses it).
-        meta.extra_info[RL_STEP] = {
-            # Loss normalizer: a global batch's action tokens (the same under every packing mode).
-            "loss_norm": max(1, actions // self.rc.minibatches),
-            "rewards": batch.rewards.tolist(), "turn_scores": batch.turn_scores.tolist(),
-            "rollout_s": t1 - t0,
-            "prepare_s": time.perf_counter() - t1, "failed_calls": batch.failed_calls,
-            "lp_gap": lp_gap, **({EVAL: evaluated} if evaluated else {}),
-        }
-        if self.replicated:
-            meta = ranks.replica_shard(meta, m.dp_client, strategy=self.trainer.strategy,
-                                       global_batch=self.global_batch)
-        return meta
-
-    def _evaluate(self) -> dict[str, float]:
-        """``recipe.eval_every``: the task's held-out prompts, greedy, on the engine's weights."""
-        return evaluate(self.task, self.engine, max_new_tokens=self.rc.max_new_tokens)
-
-    def _check_rows(self, meta: KVBatchMeta) -> tuple[int, float]:
-        """``(action tokens, logprob gap)``. The gap is the largest difference between the
-        engine's staged logprobs and the policy's recomputation over the training rows: the
-        weights have not changed in between, so anything but ~0 means rows, masks or padding
-        are misaligned somewhere between staging and the training partition."""
-        return action_tokens_and_gap(self.module.read_from_dataplane(
-            meta, select_fields=[TOKEN_MASK, SAMPLE_MASK, GENERATION_LOGPROBS, PREV_LOGPROBS]))
-
-    def _write_advantages(self, meta: KVBatchMeta) -> None:
-        fields = [TOKEN_MASK, SAMPLE_MASK, TOTAL_REWARD, TURN_REWARDS, INPUT_LENGTHS]
-        if self.ppo:
-            fields.append(VALUES)
-        td = self.module.read_from_dataplane(meta, select_fields=fields)
-        mask = td[TOKEN_MASK] * td[SAMPLE_MASK].unsqueeze(1)
-        if self.ppo:
-            rewards = turn_end_rewards(mask, td[TURN_REWARDS])
-            adv, returns = gae(rewards, td[VALUES], mask, gamma=self.rc.gamma, lam=self.rc.gae_lambda)
-            out = {ADVANTAGES: whiten(adv, mask), RETURNS: returns}
-        else:
-            per_row = group_relative(td[TOTAL_REWARD], self.rc.group_size)
-            out = {ADVANTAGES: per_row.unsqueeze(1) * mask}
-        self.module.write_to_dataplane(meta, out)
+    def close_engine(self) -> None:
+        """Release the colocated source's engine (idempotent); cleanup and a failed fit call it."""
+        source = getattr(self, "source", None)
+        if isinstance(source, Colocated):
+            source.close()
 
     # ------------------------------------------------------------------ train / cleanup
     def train(self) -> None:
@@ -445,13 +283,15 @@ class RLRecipe:
         per_rank = ranks.gather_objects((steps, total), trainer.world_size)
         sharded = sharding.is_sharded(self.module.policy)
         if sharded and self.rc.save_artifacts and not interrupted:  # every rank joins the gathers
-            sharding.save_final_full_weights(self.output_dir, policy=self.module.policy,
-                                             value=self.module.value, rank=trainer.global_rank)
+            save_final_full_weights(self.output_dir, policy=self.module.policy,
+                                    value=self.module.value, rank=trainer.global_rank)
+        colocated = self.source if isinstance(self.source, Colocated) else None
         evaluated = None
-        if (self.rc.eval_every and not interrupted and self.engine is not None
+        if (self.rc.eval_every and not interrupted and colocated is not None
+                and colocated.engine is not None
                 and (sharded or trainer.is_global_zero)):  # sharded: every rank's forwards
-            self._sync_engine(self.rc.num_steps)  # the trained weights
-            evaluated = self._evaluate()
+            colocated.sync_engine(self.rc.num_steps)  # the trained weights
+            evaluated = colocated.evaluate()
         if not trainer.is_global_zero:
             return
         merged = ranks.merge_rank_steps([rank_steps for rank_steps, _ in per_rank])
@@ -463,10 +303,10 @@ class RLRecipe:
             for logger in trainer.loggers:
                 logger.log_metrics({f"eval/{k}": v for k, v in summary[EVAL].items()},
                                    step=trainer.global_step)
-        if self.weight_sync_s:
-            summary["weight_syncs"] = len(self.weight_sync_s)
-            summary["weight_sync_s_median"] = round(sorted(self.weight_sync_s)[
-                len(self.weight_sync_s) // 2], 4)
+        syncs = colocated.weight_sync_s if colocated is not None else []
+        if syncs:
+            summary["weight_syncs"] = len(syncs)
+            summary["weight_sync_s_median"] = round(sorted(syncs)[len(syncs) // 2], 4)
         if interrupted:
             summary["status"] = "interrupted"
         else:

@@ -2,7 +2,7 @@
 
 All rows advance together on one right-padded buffer, one full forward per new token; causal
 attention makes the padding after each row's current end invisible to it. It serves any module
-with the forward ``tq_plugin.rl.model_protocol.TokenModel`` documents (``input_ids [B, S]``,
+with the forward ``tq_plugin.rl.models.protocol.TokenModel`` documents (``input_ids [B, S]``,
 optionally ``image_patches``; logits ``[B, S, V]`` for the next token after each position), so
 it is the one engine that reads staged pixels. Colocated, it holds the trainer's own policy:
 an update names the same tensors and copies nothing.

@@ -1,0 +1,23 @@
+"""matplotlib is the ``plot`` extra: without it runs and sweep reports skip their plots."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from tq_plugin.rl.training.metrics import plot_reward_curve
+from tq_plugin.rl.training.sweep_report import write_report
+
+
+def test_no_matplotlib_no_plots_and_no_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises
+    plot_reward_curve([{"step": 0, "reward": 0.5, "reward_last_turn": 0.5}],
+                      tmp_path / "reward_curve.png", title="t")
+    assert not (tmp_path / "reward_curve.png").exists()
+    job = tmp_path / "sweep" / "0"
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text("- tq/packing=none\n")
+    (job / "result.json").write_text(json.dumps({"status": "ok", "tokens_per_s": 1.0}))
+    report = write_report(tmp_path / "sweep")
+    assert report["failed"] == 0 and (tmp_path / "sweep" / "comparison.md").exists()
+    assert not (tmp_path / "sweep" / "comparison.png").exists()

@@ -1,0 +1,97 @@
+"""Advantage estimators on padded ``[B, S]`` step columns, vectorized over the batch.
+
+Actions are the generated tokens (``token_mask == 1``); prompt and environment tokens in between
+are not steps of the MDP. Both estimators therefore work on each row's *action sequence*: the
+action positions are gathered into a dense ``[B, A]`` block, computed on, and scattered back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _action_index(token_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(positions [B, A], valid [B, A])``: each row's action positions, left-aligned."""
+    is_action = token_mask > 0
+    width = int(is_action.sum(1).max()) if is_action.numel() else 0
+    # A stable sort on "not an action" moves action positions to the front, in order.
+    order = torch.sort((~is_action).to(torch.int8), dim=1, stable=True).indices[:, :width]
+    valid = torch.arange(width).unsqueeze(0) < is_action.sum(1, keepdim=True)
+    return order, valid
+
+
+def turn_end_rewards(token_mask: torch.Tensor, turn_rewards: torch.Tensor) -> torch.Tensor:
+    """Place turn ``k``'s reward on the last generated token of the row's ``k``-th turn."""
+    m = token_mask > 0
+    nxt = torch.nn.functional.pad(m[:, 1:], (0, 1), value=False)
+    ends = m & ~nxt
+    turn_of = torch.cumsum(ends.long(), dim=1) - ends.long()  # 0-based turn index at each end
+    turn_of = turn_of.clamp(max=turn_rewards.shape[1] - 1)
+    return torch.where(ends, turn_rewards.gather(1, turn_of), torch.zeros(()))
+
+
+def gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    token_mask: torch.Tensor,
+    *,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation over each row's actions; returns ``(adv, returns)``.
+
+    With ``delta_i = r_i + gamma * V_{i+1} - V_i`` (``V`` past the last action is 0),
+    ``adv_i = sum_{j >= i} (gamma * lam)^(j - i) * delta_j``, computed as one matrix product.
+    """
+    pos, valid = _action_index(token_mask)
+    r = rewards.gather(1, pos) * valid
+    v = values.gather(1, pos) * valid
+    v_next = torch.nn.functional.pad(v[:, 1:], (0, 1))
+    delta = (r + gamma * v_next - v) * valid
+    a = delta.shape[1]
+    i = torch.arange(a)
+    power = (i.unsqueeze(0) - i.unsqueeze(1)).clamp(min=0).to(delta.dtype)
+    discount = torch.where(i.unsqueeze(0) >= i.unsqueeze(1), (gamma * lam) ** power,
+                           torch.zeros((), dtype=delta.dtype))
+    adv_actions = delta @ discount.T
+    adv = torch.zeros_like(values).scatter(1, pos, adv_actions * valid)
+    adv = adv * (token_mask > 0)
+    return adv, (adv + values) * (token_mask > 0)
+
+
+def group_relative(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO: each reward minus its group's mean, over the group's std (rows are group-major)."""
+    grouped = rewards.view(-1, group_size)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    return (centred / (grouped.std(dim=1, keepdim=True) + eps)).view(-1)
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Normalize ``values`` over the masked positions (PPO's advantage normalization)."""
+    m = mask > 0
+    if not m.any():
+        return values
+    sel = values[m]
+    return torch.where(m, (values - sel.mean()) / (sel.std(unbiased=False) + eps), values)
+
+
+def compute_advantages(algorithm: str, *, mask: torch.Tensor, total_reward: torch.Tensor,
+                       turn_rewards: torch.Tensor | None = None,
+                       values: torch.Tensor | None = None, group_size: int = 1,
+                       gamma: float = 1.0, lam: float = 1.0,
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(advantages, returns)`` of a step: the one dispatch both step sources use.
+
+    ``mask`` is the ``[B, S]`` action mask (token mask times sample mask). ``ppo``: per-turn
+    rewards (``turn_rewards [B, turns]``) at each turn's last action token, GAE over the value
+    model's ``values`` and whitened advantages, with the returns. ``grpo``: each row's
+    ``total_reward [B]`` against its group's (:func:`group_relative`) on every action token,
+    no returns."""
+    if algorithm == "ppo":
+        if turn_rewards is None or values is None:
+            raise ValueError("compute_advantages: ppo needs turn_rewards and values")
+        adv, returns = gae(turn_end_rewards(mask, turn_rewards), values, mask, gamma=gamma, lam=lam)
+        return whiten(adv, mask), returns
+    if algorithm == "grpo":
+        return group_relative(total_reward, group_size).unsqueeze(1) * mask, None
+    raise ValueError(f"compute_advantages: algorithm must be ppo or grpo, got {algorithm!r}")

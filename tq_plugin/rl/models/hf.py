@@ -1,0 +1,184 @@
+"""``model=hf_causal_lm``: a Hugging Face ``transformers`` causal LM as the recipes' policy or value.
+
+Needs the ``hf`` extra (``pip install 'tq_plugin[hf]'``). The backbone is built either from a
+config (``model_type``, random init, nothing downloaded) or from a local ``pretrained_path``
+(a ``save_pretrained`` directory in safetensors; the hub is never asked, pickled ``.bin``
+weights are refused).
+
+Layouts (:mod:`tq_plugin.rl.models.protocol`): a padded batch goes in as is (right padding after
+causal tokens needs no mask). A packed row passes ``position_ids`` restarting per sequence, as
+transformers' packed-sequence support expects, and a 4-D block-diagonal causal mask built from
+``segment_ids`` (or ``cu_seqlens``): with ``sdpa`` or ``eager`` attention a plain causal mask
+would let a sequence attend to the ones packed before it.
+
+The value model is the same backbone class without its LM head plus a linear head giving one
+value per token, so ``pretrained_path`` initializes both from the same checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tq_plugin.rl.models.protocol import output_bias, scatter_patches
+
+try:
+    import transformers
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("model=hf_causal_lm needs transformers: pip install 'tq_plugin[hf]'") from exc
+
+# Attention kernels that honour a custom 4-D mask on CPU; flash-attention kernels take packed
+# rows through position_ids alone and are not wired here.
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+_DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop",
+                 "summary_first_dropout")
+
+
+def _config(model_type: str, *, vocab_size: int, d_model: int, n_layers: int, n_heads: int,
+            max_seq_len: int, dropout: float, head_dim: int | None = None) -> Any:
+    try:
+        cfg = transformers.AutoConfig.for_model(model_type)
+    except ValueError as exc:
+        raise ValueError(f"model.model_type: transformers has no model type {model_type!r}") from exc
+    cfg.update({"vocab_size": vocab_size, "hidden_size": d_model, "num_hidden_layers": n_layers,
+                "num_attention_heads": n_heads, "max_position_embeddings": max_seq_len})
+    if hasattr(cfg, "num_key_value_heads"):
+        cfg.num_key_value_heads = n_heads
+    # Configs with their own head_dim default (llama: 128) would otherwise project d_model to
+    # n_heads * 128 whatever d_model is: one head is d_model / n_heads wide unless asked.
+    if hasattr(cfg, "head_dim"):
+        cfg.head_dim = head_dim if head_dim is not None else d_model // n_heads
+    if hasattr(cfg, "intermediate_size"):
+        cfg.intermediate_size = 4 * d_model
+    # Several configs default to 0.1 dropout: the recipe's ratio of new to old logprobs must be 1
+    # before the first update, so dropout is whatever model.dropout says, everywhere.
+    cfg.update({k: dropout for k in _DROPOUT_KEYS if hasattr(cfg, k)})
+    return cfg
+
+
+def block_causal_mask(segment_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive ``[1, 1, T, T]`` mask of a packed ``[1, T]`` row: token ``i`` sees token ``j``
+    iff both lie in the same segment and ``j <= i`` (segments are contiguous)."""
+    seg = segment_ids[0]
+    t = seg.shape[0]
+    idx = torch.arange(t, device=seg.device)
+    allowed = (seg.unsqueeze(1) == seg.unsqueeze(0)) & (idx.unsqueeze(1) >= idx.unsqueeze(0))
+    mask = torch.zeros(t, t, dtype=dtype, device=seg.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min).view(1, 1, t, t)
+
+
+class HFCausalLM(nn.Module):
+    """A transformers causal LM (policy: logits ``[B, S, V]``) or its backbone plus a scalar head
+    (``value_head=True``: values ``[B, S]``), following :class:`~tq_plugin.rl.models.protocol.TokenModel`."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        *,
+        model_type: str = "llama",
+        pretrained_path: str | None = None,
+        attn_implementation: str = "sdpa",
+        d_model: int = 64,
+        n_layers: int = 2,
+        n_heads: int = 4,
+        max_seq_len: int = 64,
+        dropout: float = 0.0,
+        head_dim: int | None = None,
+        value_head: bool = False,
+        image_token_id: int | None = None,
+        patch_dim: int | None = None,
+        output_token_ids: list[int] | None = None,
+        name: str | None = None,
+    ) -> None:
+        super().__init__()
+        if attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise ValueError(f"model.attn_implementation: must be one of "
+                             f"{list(ATTN_IMPLEMENTATIONS)}, got {attn_implementation!r}")
+        auto = transformers.AutoModel if value_head else transformers.AutoModelForCausalLM
+        if pretrained_path is not None:
+            path = Path(pretrained_path)
+            if not (path / "config.json").is_file():
+                raise FileNotFoundError(f"model.pretrained_path: {path} holds no config.json "
+                                        f"(a local save_pretrained directory is needed)")
+            if not any(path.glob("*.safetensors")):
+                raise FileNotFoundError(f"model.pretrained_path: {path} holds no safetensors "
+                                        f"weights (model.safetensors or its shards); pickled "
+                                        f".bin weights are refused")
+            # The sizes are checked on the config alone, before any weight is read.
+            cfg = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+            if cfg.vocab_size < vocab_size:
+                raise ValueError(f"model.pretrained_path: the checkpoint's vocab_size "
+                                 f"({cfg.vocab_size}) is smaller than the task's ({vocab_size})")
+            if cfg.max_position_embeddings < max_seq_len:
+                raise ValueError(f"model.max_seq_len={max_seq_len} exceeds the checkpoint's "
+                                 f"max_position_embeddings ({cfg.max_position_embeddings})")
+            self.backbone = auto.from_pretrained(
+                str(path), local_files_only=True, use_safetensors=True, dtype=torch.float32,
+                attn_implementation=attn_implementation)
+        else:
+            cfg = _config(model_type, vocab_size=vocab_size, d_model=d_model, n_layers=n_layers,
+                          n_heads=n_heads, max_seq_len=max_seq_len, dropout=dropout,
+                          head_dim=head_dim)
+            cfg._attn_implementation = attn_implementation
+            self.backbone = auto.from_config(cfg, dtype=torch.float32)
+        hidden = cfg.hidden_size
+        self.image_token_id = image_token_id
+        self.patch = nn.Linear(patch_dim, hidden) if patch_dim else None
+        self.head = nn.Linear(hidden, 1) if value_head else None
+        if self.head is not None:
+            nn.init.normal_(self.head.weight, std=0.02)
+            nn.init.zeros_(self.head.bias)
+        self.register_buffer("out_bias", output_bias(
+            cfg.vocab_size, None if value_head else output_token_ids), persistent=False)
+
+    def sharding_units(self) -> list[nn.Module]:
+        """The modules FSDP shards one by one (:func:`tq_plugin.rl.models.fsdp.shard_model`): the
+        backbone's decoder layers, so one layer's full weights exist at a time in forward and
+        backward; what is left (embeddings, final norm, heads) is sharded with the whole model."""
+        inner = self.backbone
+        for name in ("model", "transformer"):  # llama-like / gpt2-like causal LMs wrap a trunk
+            inner = getattr(inner, name, inner)
+        layers = getattr(inner, "layers", None) or getattr(inner, "h", None)
+        return list(layers) if layers is not None else []
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        image_patches: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[B, S, V]`` (or values ``[B, S]``) for the next token after each position."""
+        kwargs: dict[str, Any] = {"use_cache": False}
+        if self.patch is not None and image_patches is not None and image_patches.numel():
+            embeds = self.backbone.get_input_embeddings()(input_ids)
+            kwargs["inputs_embeds"] = scatter_patches(embeds, input_ids, self.image_token_id,
+                                                      self.patch(image_patches.to(embeds.dtype)))
+        else:
+            kwargs["input_ids"] = input_ids
+        if segment_ids is None and cu_seqlens is not None:
+            counts = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+            segment_ids = torch.repeat_interleave(
+                torch.arange(counts.shape[0], device=input_ids.device), counts).unsqueeze(0)
+        if segment_ids is not None:
+            if input_ids.shape[0] != 1 or position_ids is None:
+                raise ValueError(f"a packed batch is one row [1, T] with position_ids, got "
+                                 f"input_ids {tuple(input_ids.shape)}")
+            kwargs["position_ids"] = position_ids
+            kwargs["attention_mask"] = block_causal_mask(segment_ids, self.backbone.dtype)
+        elif position_ids is not None:
+            kwargs["position_ids"] = position_ids
+        out = self.backbone(**kwargs)
+        if self.head is not None:
+            # A new tensor, not a view of the head's output: an FSDP2 root module's returned
+            # view loses its pre-backward hook to an in-place op (torch warns on every call).
+            return self.head(out.last_hidden_state).squeeze(-1).clone()
+        return out.logits + self.out_bias
+
+
+__all__ = ["ATTN_IMPLEMENTATIONS", "HFCausalLM", "block_causal_mask"]

@@ -1,0 +1,303 @@
+"""``task=prompts``: prompts from a local dataset file, a tokenizer, and reward functions.
+
+The file (``task.path``: json/jsonl, parquet or csv, read with HF ``datasets``) holds one prompt
+per row under ``task.prompt_key``: plain text (tokenized as is, with the tokenizer's own special
+tokens) or chat messages (``[{"role": ..., "content": ...}, ...]``, rendered with the tokenizer's
+chat template and its generation prompt). Every other column (``answer``, metadata) is handed to
+the reward functions (:mod:`tq_plugin.rl.tasks.rewards`) beside the prompts and the decoded
+completions. The tokenizer (``task.tokenizer``, by default ``model.pretrained_path``) gives the
+vocabulary and the EOS / pad ids.
+
+Prompts are drawn in a seeded shuffle of the rows, one epoch after another; the position in it
+(:meth:`PromptTask.state_dict`) rides the Lightning checkpoint (:class:`TaskState`), so a resumed
+run continues where the checkpoint left off. The held-out split (``task.eval_path``, or the last
+``task.eval_size`` rows of a shuffle with its own seed) is never trained on; the recipe's
+``recipe.eval_every`` scores greedy completions of it.
+
+It follows the rollout worker's task interface (``sample`` / ``score`` / ``feedback`` /
+``turns``): an episode's ``target`` is its row number, which the worker hands back to
+``score`` in the ``targets`` tensor, where the row's prompt and columns are looked up. Turns
+after the first see ``task.feedback`` (good / bad, by the reward) and are scored again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback
+from typing_extensions import override
+
+from tq_plugin.config import ConfigError
+from tq_plugin.rl.tasks.pattern import Episode
+from tq_plugin.rl.tasks.rewards import Reward, combine, load_rewards
+
+FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+# A completion at least this rewarded counts as correct (eval/accuracy).
+CORRECT = 1.0
+
+
+def load_rows(path: str | Path, *, prompt_key: str, key: str = "task.path") -> list[dict]:
+    """The file's rows as dicts, through HF ``datasets``; a missing or empty file, an unknown
+    extension, a missing ``prompt_key`` or a prompt that is neither text nor chat messages is a
+    ``ConfigError`` naming ``key`` and the file."""
+    path = Path(path)
+    fmt = FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise ConfigError(f"{key}: {path} must end in one of {sorted(FORMATS)}")
+    if not path.is_file():
+        raise ConfigError(f"{key}: {path} does not exist")
+    if path.stat().st_size == 0:
+        raise ConfigError(f"{key}: {path} is empty")
+    try:
+        import datasets
+    except ImportError as exc:
+        raise ConfigError("task=prompts needs HF datasets: pip install 'tq_plugin[prompts]'") from exc
+    datasets.disable_progress_bars()
+    try:
+        ds = datasets.load_dataset(fmt, data_files=str(path), split="train")
+    except Exception as exc:
+        raise ConfigError(f"{key}: {path} does not read as {fmt} ({type(exc).__name__}: "
+                          f"{exc})") from exc
+    if len(ds) == 0:
+        raise ConfigError(f"{key}: {path} holds no rows")
+    if prompt_key not in ds.column_names:
+        raise ConfigError(f"task.prompt_key: {path} has no column {prompt_key!r} "
+                          f"(columns: {ds.column_names})")
+    rows = ds.to_list()
+    for i, row in enumerate(rows):
+        if not _is_prompt(row[prompt_key]):
+            raise ConfigError(f"task.prompt_key: row {i} of {path}: {prompt_key!r} must be text "
+                              f"or a list of {{role, content}} messages, got "
+                              f"{type(row[prompt_key]).__name__} {str(row[prompt_key])[:60]!r}")
+    return rows
+
+
+def _is_prompt(value: Any) -> bool:
+    if isinstance(value, str):
+        return bool(value)
+    return (isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in value))
+
+
+def load_tokenizer(path: str | Path | None) -> Any:
+    """``AutoTokenizer`` from a local directory (never the hub); it must have an EOS token."""
+    if path is None:
+        raise ConfigError("task.tokenizer: task=prompts needs a tokenizer directory (set "
+                          "model.pretrained_path, or task.tokenizer=DIR)")
+    path = Path(path)
+    if not path.is_dir():
+        raise ConfigError(f"task.tokenizer: {path} is not a directory")
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
+                                              "tokenizer.model", "vocab.json")):
+        raise ConfigError(f"task.tokenizer: {path} holds no tokenizer files (tokenizer.json, "
+                          f"tokenizer_config.json): save one with tokenizer.save_pretrained")
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ConfigError("task=prompts needs transformers: pip install 'tq_plugin[hf]'") from exc
+    tok = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    if tok.eos_token_id is None:
+        raise ConfigError(f"task.tokenizer: the tokenizer in {path} has no eos_token")
+    return tok
+
+
+def render(tokenizer: Any, prompt: str | list[dict]) -> list[int]:
+    """Token ids of a prompt: chat messages through the chat template (with the generation
+    prompt), plain text as is."""
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt).input_ids)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("task.prompt_key: the prompts are chat messages but the tokenizer has "
+                          "no chat_template")
+    text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def prompt_text(prompt: str | list[dict]) -> str:
+    """What a reward function sees as the prompt: the text, or the last message's content."""
+    return prompt if isinstance(prompt, str) else prompt[-1]["content"]
+
+
+class PromptTask:
+    """Prompts from a file, scored by reward functions (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        path: str,
+        prompt_key: str = "prompt",
+        tokenizer: str | None = None,
+        reward: Mapping[str, Any] | None = None,
+        rewards: Mapping[str, Mapping[str, Any]] | None = None,
+        eval_path: str | None = None,
+        eval_size: int = 0,
+        turns: int = 1,
+        feedback_good: str = " Correct.",
+        feedback_bad: str = " Try again.",
+        shuffle: bool = True,
+        name: str = "prompts",
+        media: bool = False,
+        seed: int = 0,
+    ) -> None:
+        if media:
+            raise ConfigError("task=prompts reads no pixels: drop tq/staging=media")
+        if path is None:
+            raise ConfigError("task.path: task=prompts needs a dataset file (json/jsonl, "
+                              "parquet, csv)")
+        self.name = name
+        self.media = False
+        self.turns = turns
+        self.prompt_key = prompt_key
+        self.tokenizer = load_tokenizer(tokenizer)
+        self.rewards: list[Reward] = load_rewards(reward, rewards)
+        rows = load_rows(path, prompt_key=prompt_key)
+        if eval_path is not None:
+            held_out = load_rows(eval_path, prompt_key=prompt_key, key="task.eval_path")
+        elif eval_size:
+            if eval_size >= len(rows):
+                raise ConfigError(f"task.eval_size: must be below the file's {len(rows)} rows")
+            order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed + 17))
+            held = set(order[:eval_size].tolist())
+            held_out = [r for i, r in enumerate(rows) if i in held]
+            rows = [r for i, r in enumerate(rows) if i not in held]
+        else:
+            held_out = []
+        self.rows, self.eval_rows = rows, held_out
+        self.ids = [render(self.tokenizer, r[prompt_key]) for r in rows]
+        self.eval_ids = [render(self.tokenizer, r[prompt_key]) for r in held_out]
+        self.feedback_ids = [list(self.tokenizer(t, add_special_tokens=False).input_ids)
+                             for t in (feedback_bad, feedback_good)]
+        self.eos_token_id = int(self.tokenizer.eos_token_id)
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = int(pad if pad is not None else self.eos_token_id)
+        self.image_token_id = None
+        self.seed, self.shuffle = seed, shuffle
+        self.epoch, self.cursor = 0, 0
+        self._order = self._epoch_order()
+        self.last_rewards: dict[str, list[float]] = {}
+
+    # ---------------------------------------------------------------- the worker's interface
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    @property
+    def output_token_ids(self) -> None:
+        """Every token may be emitted."""
+        return None
+
+    patch_dim = 0
+
+    def max_sequence_length(self, max_new_tokens: int) -> int:
+        longest = max(len(p) for p in self.ids + self.eval_ids)
+        feedback = max(len(f) for f in self.feedback_ids)
+        return longest + self.turns * max_new_tokens + (self.turns - 1) * feedback
+
+    def _epoch_order(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(len(self.rows)))
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return torch.randperm(len(self.rows), generator=g).tolist()
+
+    def next_rows(self, n: int) -> list[int]:
+        """The next ``n`` row numbers of the shuffle (a new shuffle each epoch)."""
+        out = []
+        while len(out) < n:
+            if self.cursor == len(self._order):
+                self.epoch, self.cursor = self.epoch + 1, 0
+                self._order = self._epoch_order()
+            take = min(n - len(out), len(self._order) - self.cursor)
+            out += self._order[self.cursor:self.cursor + take]
+            self.cursor += take
+        return out
+
+    def seek(self, position: int) -> None:
+        """Put the cursor at ``position`` of the run's prompt stream (the shuffles of every
+        epoch, one after the other): a disaggregated worker draws the rows of its ticket's slot
+        this way, whichever worker runs it and however often it is ordered."""
+        if position < 0:
+            raise ValueError(f"seek: position must be >= 0, got {position}")
+        epoch, cursor = divmod(position, len(self.rows))
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self._order = self._epoch_order()
+        self.cursor = cursor
+
+    def sample(self, n: int, generator: torch.Generator) -> list[Episode]:
+        """``n`` episodes from the shuffle (``generator`` is not drawn from: the cursor is the
+        task's own state)."""
+        return [Episode(target=[i], prompt=list(self.ids[i])) for i in self.next_rows(n)]
+
+    def score(self, responses: torch.Tensor, response_lens: torch.Tensor,
+              targets: torch.Tensor, target_lens: torch.Tensor) -> torch.Tensor:
+        """The weighted reward of each decoded completion (``targets[:, 0]``: its row)."""
+        rows = [self.rows[i] for i in targets[:, 0].tolist()]
+        return torch.tensor(self.reward_rows(rows, responses, response_lens), dtype=torch.float32)
+
+    def reward_rows(self, rows: Sequence[Mapping[str, Any]], responses: torch.Tensor,
+                    response_lens: torch.Tensor) -> list[float]:
+        # Special tokens stay in the text (EOS is already cut off): a reward sees every token
+        # the policy emitted, so filler tokens that decode to nothing cannot pad an answer.
+        completions = [self.tokenizer.decode(r[:n].tolist(), skip_special_tokens=False)
+                       for r, n in zip(responses, response_lens.tolist())]
+        prompts = [prompt_text(r[self.prompt_key]) for r in rows]
+        columns = {k: [r[k] for r in rows] for k in rows[0] if k != self.prompt_key}
+        total, self.last_rewards = combine(self.rewards, prompts, completions, columns)
+        return total
+
+    def feedback(self, scores: torch.Tensor) -> list[list[int]]:
+        return [list(self.feedback_ids[int(s >= CORRECT)]) for s in scores.tolist()]
+
+    # ---------------------------------------------------------------- evaluation, checkpoint
+    def evaluate(self, generate: Any, *, max_new_tokens: int) -> dict[str, float]:
+        """Greedy completions of the held-out rows through ``generate(prompts) -> [ids]`` (stop
+        token included when emitted): ``{"reward": mean, "accuracy": fraction >= 1}``."""
+        if not self.eval_rows:
+            return {}
+        outs = generate(self.eval_ids)
+        answers = [o[:-1] if o and o[-1] == self.eos_token_id else o for o in outs]
+        lens = torch.tensor([len(a) for a in answers])
+        padded = torch.nn.utils.rnn.pad_sequence(
+            [torch.tensor(a if a else [self.pad_token_id]) for a in answers], batch_first=True)
+        rewards = self.reward_rows(self.eval_rows, padded, lens)
+        return {"reward": sum(rewards) / len(rewards),
+                "accuracy": sum(r >= CORRECT for r in rewards) / len(rewards)}
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "cursor": self.cursor, "rows": len(self.rows)}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        if state["rows"] != len(self.rows):
+            raise ConfigError(f"task.path: the checkpoint's dataset had {state['rows']} rows, "
+                              f"this one has {len(self.rows)}")
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        self._order = self._epoch_order()
+
+
+class TaskState(Callback):
+    """Checkpoints a task's own state (the dataset cursor) beside the rollout generator's, so a
+    resumed run draws the prompts the interrupted one would have drawn next."""
+
+    def __init__(self, task: Any) -> None:
+        self.task = task
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return f"TaskState[{self.task.name}]"
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.task.state_dict())
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.task.load_state_dict(state_dict)
+
+
+__all__ = ["FORMATS", "PromptTask", "TaskState", "load_rows", "load_tokenizer", "prompt_text",
+           "render"]

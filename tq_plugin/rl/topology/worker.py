@@ -1,0 +1,220 @@
+"""Rollout-worker processes of the disaggregated topology (``recipe.topology=disaggregated``).
+
+Each worker is one process on one torch thread, started where the shared store's backend
+says (``tq_plugin.data_plane.processes.launcher_for``): a Ray actor of the trainer on the
+``ray`` and ``transferqueue`` backends, a ``multiprocessing`` spawn process otherwise. It
+attaches to the trainer's shared store (the pickled client re-attaches by name). Everything it
+exchanges with the trainer goes through that store:
+
+* **tickets** (partition ``rollout_tickets_w{k}``, task ``generate``): the trainer's orders. A
+  ticket names its prompts (a slot of the run's prompt stream, which seeds the rollouts'
+  generator), the training step it aims at and the oldest weights it may be generated with
+  (``min_version``; see ``tq_plugin.rl.topology.staleness``). The worker claims tickets as they come and
+  runs, of those it holds, the lowest target the newest weights allow;
+* **weights** (partition ``policy_weights``): one row per version (``v{n}``: the flat parameter
+  vector and its ``weight_version``). Before each ticket the worker loads the newest version
+  into its policy module and from there into its rollout engine (``engine=native`` samples
+  that module itself; ``hf`` and ``vllm`` hold their own copy, started from an HF checkpoint
+  of the worker's policy written to a temporary directory, and take the new weights in place);
+  while every ticket it holds waits for newer weights it blocks on a claim of that partition
+  (its own consumer task), which returns when the trainer publishes;
+* **rows**: the worker stages every call through ``TQTokenSink`` (``RolloutWorker`` stamps the
+  weights' version on each; ``recipe.worker_staging=local`` keeps the staged calls in the
+  worker's own embedded store, ``shared`` in the shared one), hands the finished groups to
+  ``RolloutReassembler``, which writes the training rows into the shared ``rollouts``
+  partition, then writes ``turn_rewards`` and the per-row ``weight_version`` in one more put,
+  tagged with the ticket. That put is the rows' ready signal: the trainer claims rows whose
+  ``weight_version`` is written, so it never sees a chunk half done.
+
+Ray is not imported here (only the backend adapters may, ``tests/test_architecture.py``): the
+backend's launcher decides where the worker runs, and everything Ray-specific happens there and
+inside the client the worker attaches with.
+
+A worker stops when its stop signal is set (the trainer stops it; a spawned worker's signal is
+also set once its parent process is gone, a Ray actor dies with the driver that created it), or
+on an error (its traceback goes to stderr and its exit code tells the trainer it died).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.nn.utils import vector_to_parameters
+
+from tq_plugin.data_plane import LocalDataPlane
+from tq_plugin.data_plane.processes import StopSignal
+from tq_plugin.rl.models.weights import engine_weights
+from tq_plugin.rl.topology.build import (
+    RolloutSide,
+    build_model,
+    build_rollout_side,
+    build_task,
+    start_engine,
+)
+from tq_plugin.rl.topology.exchange import (
+    CALLS_TAG,
+    FAILED_TAG,
+    GENERATE_TASK,
+    ROLLOUTS_PARTITION,
+    SLOT_TAG,
+    TICKET_FIELDS,
+    TICKET_TAG,
+    TURN_REWARDS,
+    VERSION_TAG,
+    WEIGHT_VERSION,
+    WEIGHTS,
+    WEIGHTS_PARTITION,
+    SplitClient,
+    newest_weights,
+    parse_weights_id,
+    tickets_partition,
+    weights_id,
+    weights_task,
+)
+
+
+@dataclass
+class WorkerSpec:
+    """What a worker process is built from (pickled to it)."""
+
+    index: int
+    client: Any  # a shared-store client; pickles to an attach-by-name
+    cfg: Any  # the run's DictConfig (task, model, tq.staging, recipe)
+
+
+def _build(spec: WorkerSpec, workdir: str) -> tuple[Any, Any, Any, RolloutSide]:
+    """The worker's task, policy, engine and rollout side: the colocated run's builder, on the
+    worker's client (its staging kept local under ``recipe.worker_staging=local``)."""
+    cfg = spec.cfg
+    task = build_task(cfg)
+    policy = build_model(cfg, task)
+    client = spec.client
+    if cfg.recipe.worker_staging == "local":
+        client = SplitClient(client, LocalDataPlane(), {ROLLOUTS_PARTITION})
+    side = build_rollout_side(cfg, task, client)
+    # Version -1 until the first publish loads: no ticket runs on the initial random weights.
+    engine = start_engine(cfg, policy, workdir, weight_version=-1)
+    return task, policy, engine, side
+
+
+class _Weights:
+    """The worker's copy of the policy: the publish it loaded and that publish's version, kept
+    in its policy module and pushed from there into its engine."""
+
+    def __init__(self, client: Any, policy: torch.nn.Module, engine: Any) -> None:
+        self.client, self.policy, self.engine = client, policy, engine
+        self.publish, self.version = -1, -1
+        self._named = lambda: engine_weights(policy, engine.name)
+
+    def load_newest(self, newest: tuple[int, int] | None) -> int:
+        """Load ``newest`` (``newest_weights``, just listed) if it is not the publish held, or a
+        newer one if it was cleared meanwhile; the version held."""
+        while True:
+            if newest is None or newest[0] == self.publish:
+                return self.version
+            try:
+                td = self.client.get_samples([weights_id(*newest)], WEIGHTS_PARTITION, [WEIGHTS])
+            except KeyError:  # replaced by a newer publish between the listing and the read
+                newest = newest_weights(self.client)
+                continue
+            vector_to_parameters(td[WEIGHTS][0], self.policy.parameters())
+            self.engine.update_weights(self._named(), version=newest[1])
+            self.publish, self.version = newest
+            return self.version
+
+
+def next_ticket(held: list[dict[str, int]], newest: int | None) -> dict[str, int] | None:
+    """The held ticket to run now: the lowest target among those the newest weights may
+    generate (``min_version <= newest``). A ticket still waiting for weights never blocks one
+    behind it (a reassigned ticket may be needed before the next version can exist)."""
+    runnable = [t for t in held if newest is not None and t["min_version"] <= newest]
+    return min(runnable, key=lambda t: (t["target"], t["ticket"])) if runnable else None
+
+
+def _claim_tickets(client: Any, partition: str, *, blocking: bool) -> list[dict[str, Any]]:
+    """Every ticket waiting in ``partition``, claimed one row at a time: a backend may hand out
+    full batches only (TransferQueue's fetch returns ``batch_size`` rows or none), and a worker
+    holds a few tickets at most. ``blocking``: wait (``TimeoutError`` after 0.2 s) for the first."""
+    held: list[dict[str, Any]] = []
+    while True:
+        meta = client.claim_meta(partition, GENERATE_TASK, list(TICKET_FIELDS), batch_size=1,
+                                 blocking=blocking and not held, timeout_s=0.2)
+        if not meta.size:
+            return held
+        order = client.get_data(meta, list(TICKET_FIELDS))
+        held.append({f: int(order[f][0]) for f in TICKET_FIELDS} | {"id": meta.sample_ids[0]})
+
+
+def _wait_for_version(client: Any, worker: int, version: int, stop: StopSignal) -> None:
+    """Block until weights of ``version`` or newer are published, at most ~0.5 s (the bound
+    on how late a reassigned ticket or the stop signal is noticed).
+
+    Each publish wakes the claim once (one row: TransferQueue's claim returns full batches
+    only); a publish labelled older than ``version`` (one after a mid-step optimizer step) is
+    read off the claimed id and waited past, without the ticket and listing round trips the
+    caller's loop would make."""
+    while not stop.is_set():
+        try:
+            meta = client.claim_meta(WEIGHTS_PARTITION, weights_task(worker), [WEIGHT_VERSION],
+                                     batch_size=1, blocking=True, timeout_s=0.5)
+        except TimeoutError:
+            return
+        if not meta.size or max(parse_weights_id(i)[1] for i in meta.sample_ids) >= version:
+            return
+
+
+def worker_main(spec: WorkerSpec, *, stop: StopSignal) -> None:
+    """A worker process's loop: claim tickets, pick a runnable one, generate with the newest
+    weights, deliver; returns once ``stop`` is set (its launcher calls it so)."""
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="tq-rollout-") as workdir:
+        task, policy, engine, side = _build(spec, workdir)
+        try:
+            _serve(spec, stop, task, _Weights(spec.client, policy, engine), side)
+        finally:
+            engine.close()
+
+
+def _serve(spec: WorkerSpec, stop: StopSignal, task: Any, weights: _Weights,
+           side: RolloutSide) -> None:
+    client, rc = spec.client, spec.cfg.recipe
+    partition = tickets_partition(spec.index)
+    held: list[dict[str, int]] = []
+    while not stop.is_set():
+        try:
+            held += _claim_tickets(client, partition, blocking=not held)
+        except TimeoutError:
+            continue
+        except Exception:
+            if stop.is_set():  # the trainer closed the store while we waited
+                return
+            raise
+        newest = newest_weights(client)
+        ticket = next_ticket(held, None if newest is None else newest[1])
+        if ticket is None:  # every held ticket waits for newer weights: wait for a publish
+            _wait_for_version(client, spec.index, min(t["min_version"] for t in held), stop)
+            continue
+        held.remove(ticket)
+        version = weights.load_newest(newest)
+        generator = torch.Generator().manual_seed(rc.seed * 1_000_003 + 7919 * ticket["slot"] + 1)
+        if hasattr(task, "seek"):  # a dataset task: the slot's rows of the run's prompt stream
+            task.seek(ticket["slot"] * ticket["prompts"])
+        batch = side.rollout.run(weights.engine, step=ticket["ticket"], prompts=ticket["prompts"],
+                            group_size=rc.group_size, generator=generator)
+        rows = side.reassembler.finalize_group(batch.receipts, partition_id=ROLLOUTS_PARTITION)
+        n = rows.size
+        tag = {TICKET_TAG: ticket["ticket"], VERSION_TAG: version, CALLS_TAG: batch.staged_calls,
+               FAILED_TAG: batch.failed_calls, "target": ticket["target"], "worker": spec.index,
+               SLOT_TAG: ticket["slot"]}
+        client.put_samples(
+            rows.sample_ids, ROLLOUTS_PARTITION,
+            fields={TURN_REWARDS: batch.turn_scores / task.turns,
+                    WEIGHT_VERSION: torch.full((n,), version, dtype=torch.int64)},
+            tags=[tag] * n)
+        client.clear_samples([ticket["id"]], partition)
+
+
+__all__ = ["WorkerSpec", "next_ticket", "worker_main"]

@@ -1,0 +1,198 @@
+"""The recipe's own Lightning callbacks: per-step bookkeeping on every rank (``RLStepCallback``),
+a SIGTERM stop that every rank takes at the same microbatch (``SigtermStop``) and the periodic
+checkpoints a killed run resumes from (``PeriodicCheckpoint``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from typing_extensions import override
+
+from tq_plugin.lightning import MICROBATCH_INFO
+from tq_plugin.rl.training import ranks
+from tq_plugin.rl.training.metrics import MetricsLog, StepRecord
+from tq_plugin.rl.training.step_record import RL_STEP
+
+log = logging.getLogger(__name__)
+_info_rank_zero = rank_zero_only(log.info)
+
+
+class RLStepCallback(Callback):
+    """The recipe's per-step bookkeeping inside the fit, on every rank.
+
+    * ``on_train_batch_start``: from the microbatch's step meta (``RL_STEP``), set the module's
+      loss normalizer (divided by the world size: DDP averages gradients over ranks) and, at a
+      step's first microbatch, start the step's metrics record.
+    * ``on_train_end``: reduce the metrics over ranks; rank 0 writes the artifacts.
+    * ``on_exception`` (SIGTERM): the finished steps' artifacts, reduced over ranks.
+    * checkpoint state: the rollout generator (a resumed run never replays random draws it
+      already used) and the finished steps' metrics, reduced over ranks, so the resumed run's
+      artifacts cover every step.
+
+    Its collaborators: the run's step ``metrics``, the ``rollouts`` stream (an object with a
+    ``generator``), the ``DataPlaneCallback`` (``dp_callback``: how many steps have finished)
+    and ``write_artifacts(trainer, interrupted=...)``, which reduces and writes the artifacts.
+    """
+
+    def __init__(self, *, metrics: MetricsLog, rollouts: Any, dp_callback: Any,
+                 write_artifacts: Callable[..., None]) -> None:
+        self.metrics, self.rollouts, self.dp_callback = metrics, rollouts, dp_callback
+        self.write_artifacts = write_artifacts
+        self.world_size = 1
+        self.step: int | None = None
+        self.steps_trained = 0
+        self.restored: list[StepRecord] = []  # finished steps' metrics from the checkpoint
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self.world_size = trainer.world_size
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        meta = pl_module.dp_meta
+        info = meta.extra_info[MICROBATCH_INFO]
+        rl = meta.extra_info[RL_STEP]
+        pl_module.loss_norm = rl["loss_norm"] / trainer.world_size
+        rewards = torch.tensor(rl["rewards"])
+        pl_module.current_reward = float(rewards.mean())
+        if info["step"] == self.step:
+            return
+        self.step = info["step"]
+        self.steps_trained += 1
+        client = pl_module.dp_client
+        self.metrics.on_step_ready(
+            self.step, rewards=rewards, turn_scores=torch.tensor(rl["turn_scores"]),
+            rollout_s=rl["rollout_s"], prepare_s=rl["prepare_s"], failed_calls=rl["failed_calls"],
+            lp_gap=rl["lp_gap"], dp=client.snapshot() if hasattr(client, "snapshot") else None)
+        _info_rank_zero("RL step %d: reward %.3f", self.step, pl_module.current_reward)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.world_size > 1:
+            print(f"[tq_plugin] rank {trainer.global_rank}/{trainer.world_size}: "
+                  f"{self.steps_trained} RL steps, {trainer.global_step} optimizer steps", flush=True)
+        self.write_artifacts(trainer)
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule,
+                     exception: BaseException) -> None:
+        if isinstance(exception, SIGTERMException):  # raised on every rank at one microbatch
+            self.write_artifacts(trainer, interrupted=True)
+
+    def finished_steps(self) -> list[StepRecord]:
+        """This rank's records of the steps whose last microbatch has trained."""
+        done = self.dp_callback.completed_steps
+        return [s for s in self.metrics.steps if s.step < done]
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        # Lightning asks every rank for its state before rank 0 writes the checkpoint.
+        finished = ranks.gather_objects(self.finished_steps(), self.world_size)
+        steps = self.restored + ranks.merge_rank_steps(finished)
+        return {"rng_state": self.rollouts.generator.get_state(),
+                "steps": [dataclasses.asdict(s) for s in steps]}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.rollouts.generator.set_state(state_dict["rng_state"])
+        make = getattr(self.metrics, "step_type", StepRecord)  # the disaggregated records
+        self.restored = [make(**s) for s in state_dict["steps"]]
+
+
+class SigtermStop(Callback):
+    """Stops the fit on SIGTERM after the same microbatch on every rank, with a checkpoint.
+
+    Lightning's own handler broadcasts from inside the signal handler, which under DDP can
+    interleave with the step's collectives and hang both ranks (observed with two CPU ranks).
+    This handler only sets a flag. After each microbatch the ranks agree on it (one all-reduce
+    max, in ``on_train_batch_end``); the recipe's step hook, the last thing the module runs for
+    the microbatch (after every callback has advanced its cursor and the metrics have booked
+    it), then calls :meth:`stop_if_requested`: save the checkpoint, raise ``SIGTERMException``.
+    At that point the checkpoint's resume cursor, the data plane's last step meta (Lightning
+    has prefetched the next microbatch) and the metrics all describe the same position.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.requested = False
+        self.stop = False
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Replaces the handler Lightning registered for this fit; Lightning restores the
+        # process's own handler at teardown.
+        self.requested = self.stop = False
+        self.arm()
+
+    def arm(self) -> None:
+        """(Re)install the handler: starting Ray in this process (``ray.init``) replaces it with
+        Ray's own, which kills the process, so what starts Ray mid-fit calls this after."""
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        stop = self.requested
+        if trainer.world_size > 1:
+            flag = torch.tensor([int(stop)], device=trainer.strategy.root_device)
+            stop = bool(trainer.strategy.reduce(flag, reduce_op="max").item())
+        self.stop = stop
+
+    def stop_if_requested(self, trainer: Trainer) -> None:
+        if self.stop:
+            trainer.save_checkpoint(self.path)
+            raise SIGTERMException
+
+
+class PeriodicCheckpoint:
+    """``recipe.checkpoint_every=K``: a checkpoint after every ``K``-th RL step, at the step's
+    boundary, for any topology: ``checkpoints/rl-step-<n>.ckpt`` (``n`` steps finished) and
+    ``checkpoints/last.ckpt`` (the same file, linked). A run killed without a SIGTERM (SIGKILL,
+    a lost node) resumes from the last one with ``ckpt_path``.
+
+    The recipe's step hook calls :meth:`save_if_due` where ``SigtermStop`` saves, after every
+    callback has advanced its cursor for the microbatch, so the resume cursor, the data plane's
+    last step meta (the next step, already prepared) and the metrics describe the same
+    position. Each file is written under a temporary name and renamed: a kill mid-save leaves
+    the previous checkpoint whole.
+    """
+
+    def __init__(self, directory: Path, every: int) -> None:
+        self.directory, self.every = directory, every
+        self.saved: list[Path] = []
+
+    def save_if_due(self, trainer: Trainer, info: dict[str, Any]) -> None:
+        finished = int(info["step"]) + 1
+        if not self.every or not info["last_in_step"] or finished % self.every:
+            return
+        path = self.directory / f"rl-step-{finished:06d}.ckpt"
+        tmp = path.with_name(f".{path.name}.tmp")
+        trainer.save_checkpoint(tmp)  # every rank calls it; rank 0 writes
+        if trainer.is_global_zero:
+            os.replace(tmp, path)
+            link = self.directory / ".last.ckpt.tmp"
+            link.unlink(missing_ok=True)
+            if path.is_dir():  # a sharded checkpoint (trainer=fsdp_cpu): a folder, linked by name
+                link.symlink_to(path.name, target_is_directory=True)
+            else:
+                os.link(path, link)
+            os.replace(link, self.directory / "last.ckpt")
+            _info_rank_zero("RL step %d: checkpoint %s", finished - 1, path)
+        self.saved.append(path)
+
+
+__all__ = ["PeriodicCheckpoint", "RLStepCallback", "SigtermStop"]

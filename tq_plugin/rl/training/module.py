@@ -1,0 +1,301 @@
+"""The LightningModule the PPO and GRPO recipes train: policy (+ value) over data-plane metas.
+
+``MetaBatchMixin`` turns each microbatch meta the dataloader yields into tensors in the configured
+layout (``padded`` to the step's pad target, ``padded`` to the microbatch's own length under
+dynamic batching, or one ``packed`` row with ``position_ids``/``segment_ids``); ``TQDriverMixin``
+supplies the pad-target minting and the column reads/writes of the pre-training passes.
+
+A global batch may be cut into a different number of microbatches under each packing mode, so
+every microbatch's loss is a token *sum* divided by the global batch's action-token count, and
+``MetaBatchMixin`` accumulates gradients over the global batch's microbatches (automatic
+optimization, one optimizer step per global batch). The update is therefore the same whatever
+the packing; only its cost changes.
+
+The loss is :mod:`tq_plugin.rl.algorithms.losses`' clipped policy-gradient term (weighted by
+the importance-sampling correction where ``correct_is``: disaggregated workers' older weights,
+an engine's other kernels), PPO's clipped value loss and the entropy bonus. ``clipfrac`` counts
+the action tokens whose ratio the clamp changed, ``approx_kl`` is the mean of ``r - 1 - log r``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from tq_plugin.config import PackingConfig, RecipeConfig
+from tq_plugin.data_plane import (
+    ADVANTAGES,
+    GENERATION_LOGPROBS,
+    INPUT_IDS,
+    INPUT_LENGTHS,
+    PREV_LOGPROBS,
+    RETURNS,
+    SAMPLE_MASK,
+    TOKEN_MASK,
+    TOTAL_REWARD,
+    VALUES,
+    KVBatchMeta,
+    read_columns,
+)
+from tq_plugin.lightning.driver import TQDriverMixin
+from tq_plugin.lightning.layout import POSITION_IDS, SEGMENT_IDS
+from tq_plugin.lightning.module import MICROBATCH_INFO, MetaBatchMixin
+from tq_plugin.lightning.plan import plan_step
+from tq_plugin.rl.algorithms.advantages import compute_advantages
+from tq_plugin.rl.algorithms.losses import (
+    approx_kl,
+    clipped_policy_loss,
+    clipped_value_loss,
+    is_correction_weights,
+)
+from tq_plugin.rl.models.fsdp import shard_model
+from tq_plugin.rl.models.tiny import TinyTransformer, entropy, shift_values, token_logprobs
+from tq_plugin.rl.training.metrics import (
+    add_is_stats,
+    add_stats,
+    is_metrics,
+    peak_memory_mb,
+    rl_metrics,
+    warn_if_unsynced,
+)
+from tq_plugin.rl.training.ranks import reduce_over_ranks
+from tq_plugin.rl.training.step_record import TURN_REWARDS
+from tq_plugin.rollout.engines.native import device_of
+from tq_plugin.staging import MEDIA_IMGS_FIELD
+
+POLICY_TRAIN_FIELDS = [INPUT_IDS, INPUT_LENGTHS, TOKEN_MASK, SAMPLE_MASK, PREV_LOGPROBS, ADVANTAGES,
+                       GENERATION_LOGPROBS]
+VALUE_TRAIN_FIELDS = [VALUES, RETURNS]
+
+
+class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
+    def __init__(
+        self,
+        *,
+        policy: TinyTransformer,
+        value: TinyTransformer | None,
+        recipe: RecipeConfig,
+        packing: PackingConfig,
+        media: bool = False,
+        correct_is: bool | None = None,
+    ) -> None:
+        super().__init__()
+        self.policy = policy
+        self.value = value
+        self.rc = recipe
+        self.media = media
+        # Whether recipe.is_correction weights the policy loss; None: for disaggregated runs,
+        # whose rows come from older weights (colocated rows come from the trained weights).
+        # The recipe also turns it on for the hf and vllm engines.
+        if correct_is is None:
+            correct_is = recipe.topology == "disaggregated"
+        self.is_mode = recipe.is_correction.mode if correct_is else "none"
+        # Colocated rows are on-policy: their IS figures stay near 1 and 0 unless the engine
+        # serves other weights (warn_if_unsynced).
+        self.on_policy = recipe.topology != "disaggregated"
+        self._off_band_steps = 0
+        self.cfg = packing.model_cfg()
+        self.configure_packing(**packing.host_attributes())
+        self.dp_layout = packing.layout
+        self.dp_pad_to = "microbatch" if packing.use_dynamic_batches else "target"
+        # What a training microbatch reads; other passes read what their meta names.
+        self.train_fields = POLICY_TRAIN_FIELDS + (VALUE_TRAIN_FIELDS if value is not None else [])
+        self.step_hook: Any = None  # called with (meta, stats) after each microbatch
+        self.train_seconds = 0.0
+        # Set by the recipe's step callback before each microbatch trains, from the step's meta
+        # (read per microbatch: the meta, not the module, holds each step's values).
+        self.loss_norm = 1.0  # action tokens of one global batch (per rank)
+        self.current_reward = 0.0  # the step's mean rollout reward, logged as rl/reward
+        self._gb_stats: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ model inputs
+    def _inputs(self, td: Any, meta: KVBatchMeta) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {}
+        if POSITION_IDS in td.keys():  # noqa: SIM118  (a TensorDict has no `in`)
+            kwargs = {"position_ids": td[POSITION_IDS], "segment_ids": td[SEGMENT_IDS]}
+        if self.media:  # the patches go where the token ids are (the model's device)
+            kwargs["image_patches"] = self.read_patches(meta).to(td[INPUT_IDS].device)
+        return kwargs
+
+    def read_patches(self, meta: KVBatchMeta) -> torch.Tensor:
+        """The rows' staged pixel patches, concatenated in row order (one per image token)."""
+        td = read_columns(self.dp_client, meta, [MEDIA_IMGS_FIELD], layout="jagged")
+        imgs = td[MEDIA_IMGS_FIELD]
+        return imgs.values() if imgs.is_nested else imgs.reshape(-1, imgs.shape[-1])
+
+    # ------------------------------------------------------------------ pre-training passes
+    @torch.no_grad()
+    def forward_pass(self, meta: KVBatchMeta, *, role: str, step: int,
+                     pair_with: Callable[[int], int] | None = None) -> None:
+        """One no-grad pass over the step, written back through the data plane.
+
+        ``role="policy"`` writes ``prev_logprobs``, ``role="value"`` writes ``values``. The pass
+        runs on its own isolated meta (so the value model's pad target never comes from the
+        policy's dispatch), in microbatches under the ``logprob_mb_tokens`` budget and in the
+        training layout; each microbatch's output goes back as rows (``dp_rows``). The columns
+        are moved to the model's device and its output back to the host before the write.
+
+        ``pair_with``: the ranks of a sharded (FSDP) model each passing their own shard of a
+        step; given this rank's microbatch count it returns the most any rank runs, and this
+        rank pads with that many throwaway one-token forwards less its own, so every rank's
+        forwards (each one a collective) pair up.
+        """
+        model, field = (self.policy, PREV_LOGPROBS) if role == "policy" else (self.value, VALUES)
+        task = "prev_lp" if role == "policy" else "value_fwd"
+        was_training = model.training
+        model.eval()
+        device = device_of(model)
+        planned = [] if not meta.size else [
+            mb for mb in plan_step(meta, host=self, fields=[INPUT_IDS, INPUT_LENGTHS],
+                                   task_name=task, step=step, mb_tokens_key="logprob_mb_tokens",
+                                   micro_batch_size=self.cfg["train_micro_batch_size"])
+            if mb.size]
+        for mb in planned:
+            td = self.dp_materialize(mb).to(device)
+            ids = td[INPUT_IDS]
+            out = model(ids, **self._inputs(td, mb))
+            out = token_logprobs(out, ids, self.rc.temperature) if role == "policy" else shift_values(out)
+            self.write_to_dataplane(mb, {field: self.dp_rows(out.cpu())})
+        if pair_with is not None:
+            for _ in range(pair_with(len(planned)) - len(planned)):
+                model(torch.zeros(1, 1, dtype=torch.int64, device=device))
+        model.train(was_training)
+
+    def write_advantages(self, meta: KVBatchMeta) -> None:
+        """Read the step's rewards (and PPO's values), compute the advantages
+        (:func:`~tq_plugin.rl.algorithms.advantages.compute_advantages`) and write them (and
+        PPO's returns) back through the data plane."""
+        ppo = self.value is not None
+        fields = [TOKEN_MASK, SAMPLE_MASK, TOTAL_REWARD, TURN_REWARDS, INPUT_LENGTHS]
+        td = self.read_from_dataplane(meta, select_fields=[*fields, *([VALUES] if ppo else [])])
+        adv, returns = compute_advantages(
+            "ppo" if ppo else "grpo", mask=td[TOKEN_MASK] * td[SAMPLE_MASK].unsqueeze(1),
+            total_reward=td[TOTAL_REWARD], turn_rewards=td[TURN_REWARDS],
+            values=td[VALUES] if ppo else None, group_size=self.rc.group_size,
+            gamma=self.rc.gamma, lam=self.rc.gae_lambda)
+        self.write_to_dataplane(meta, {ADVANTAGES: adv, **({RETURNS: returns} if ppo else {})})
+
+    # ------------------------------------------------------------------ training
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        groups = [{"params": self.policy.parameters(), "lr": self.rc.lr}]
+        if self.value is not None:
+            groups.append({"params": self.value.parameters(), "lr": self.rc.value_lr})
+        return torch.optim.Adam(groups)
+
+    def configure_model(self) -> None:
+        """Under ``ModelParallelStrategy`` (``trainer=fsdp_cpu``, ``trainer=fsdp``) shard the
+        policy and the value model with FSDP2 over the data-parallel mesh
+        (:func:`tq_plugin.rl.models.fsdp.shard_model`); the optimizer is built afterwards, on the
+        shards. Other strategies have no mesh and leave the models whole, and so does a mesh of
+        one rank (nothing to shard over; the engines and the weight files then see plain
+        tensors)."""
+        mesh = self.device_mesh
+        if mesh is None:
+            return
+        dp = mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
+        if dp.size() == 1:
+            return
+        for model in (self.policy, self.value):
+            if model is not None:
+                shard_model(model, dp)
+
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer,
+                                    gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
+        """Clip the gradient norm over every trained parameter to 1.0. Sharded (``DTensor``)
+        gradients too: Lightning's clip is ``torch.nn.utils.clip_grad_norm_``, whose norm of
+        shards is a partial ``DTensor`` summed over the mesh, so every rank scales by the
+        one-process factor (``tests/rl/models/test_fsdp.py`` checks it against the whole model)."""
+        self.clip_gradients(optimizer, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> Any:
+        self._mb_start = time.perf_counter()
+        return super().on_train_batch_start(batch, batch_idx)
+
+    def training_step(self, td: Any, batch_idx: int) -> dict[str, Any]:
+        meta = self.dp_meta
+        norm = float(self.loss_norm)
+        mask = td[TOKEN_MASK].float()
+        mask = mask * self._row_values(td[SAMPLE_MASK], mask)
+        ids = td[INPUT_IDS]
+        inputs = self._inputs(td, meta)
+        logits = self.policy(ids, **inputs)
+        lp = token_logprobs(logits, ids, self.rc.temperature)
+        old, gen = td[PREV_LOGPROBS], td[GENERATION_LOGPROBS]
+        ic = self.rc.is_correction
+        is_w, is_masked = is_correction_weights(
+            old, gen, mask, mode=self.is_mode, cap=self.rc.is_cap, low=ic.min, high=ic.max,
+            sequence_ids=td[SEGMENT_IDS] if SEGMENT_IDS in td.keys() else None)  # noqa: SIM118
+        pg, parts = clipped_policy_loss(lp, old, td[ADVANTAGES], mask, clip_eps=self.rc.clip_eps,
+                                        weights=is_w)
+        loss = (pg * mask).sum() / norm
+        ent = entropy(logits) * mask
+        if self.rc.entropy_coef:
+            loss = loss - self.rc.entropy_coef * ent.sum() / norm
+        with torch.no_grad():
+            actions = mask > 0
+            gen_ratio = torch.where(actions, (old - gen).exp(), torch.zeros_like(old))
+            stats = {
+                "clipped_tokens": float((parts["clipped"] & actions).sum()),
+                "action_tokens": float(mask.sum()),
+                "kl_sum": float((approx_kl(parts["ratio"], parts["log_ratio"]) * mask).sum()),
+                "entropy_sum": float(ent.detach().sum()),
+                "is_ratio_sum": float(gen_ratio.sum()),
+                "is_ratio_max": float(gen_ratio.max()) if gen_ratio.numel() else 0.0,
+                "is_masked_tokens": float(is_masked.sum()),
+                "gen_lp_abs_diff_sum": float(((gen - old).abs() * mask).sum()),
+            }
+        if self.value is not None:
+            v = shift_values(self.value(ids, **inputs))
+            v_loss = clipped_value_loss(v, td[VALUES], td[RETURNS], clip_eps=self.rc.value_clip_eps)
+            v_loss = (v_loss * mask).sum() / norm
+            loss = loss + self.rc.vf_coef * v_loss
+            stats["value_loss"] = float(v_loss.detach())
+        stats["loss"] = float(loss.detach())
+        self._mb_stats = stats
+        return {"loss": loss}
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Book the microbatch (forward, backward and, on a global batch's last, the step)."""
+        meta = self.dp_meta
+        elapsed = time.perf_counter() - self._mb_start + self.dp_batch_stats.get("layout_s", 0.0)
+        self.train_seconds += elapsed
+        stats = {**self._mb_stats, "seconds": elapsed, **self.dp_batch_stats,
+                 "peak_mem_mb": peak_memory_mb(self.device)}
+        if self.step_hook is not None:
+            self.step_hook(meta, stats)
+        self._log_global_batch(meta.extra_info[MICROBATCH_INFO], stats,
+                               batch_size=max(meta.size, 1))
+
+    def _log_global_batch(self, info: dict[str, Any], stats: dict[str, float],
+                          batch_size: int) -> None:
+        """``rl/*`` through ``self.log``, once per global batch (one optimizer step), so every
+        configured Lightning logger receives the same figures the recipe's CSV holds."""
+        add_stats(self._gb_stats, stats)
+        add_is_stats(self._gb_stats, stats)
+        if not info["last_in_global_batch"]:
+            return
+        totals = reduce_over_ranks(self.trainer, self._gb_stats)
+        figures = rl_metrics(totals, 1) | is_metrics(totals)
+        self._gb_stats = {}
+        if self.on_policy and totals.get("action_tokens", 0.0) > 0:
+            self._off_band_steps = warn_if_unsynced(figures, self._off_band_steps)
+        if self.value is None:
+            figures.pop("value_loss")
+        step = int(info["step"])
+        logged = {f"rl/{k}": v for k, v in figures.items()}
+        logged["rl/step"] = float(step)
+        self.log_dict(logged, on_step=True, on_epoch=False, batch_size=batch_size)
+        self.log_dict({"rl/reward": float(self.current_reward)},
+                      prog_bar=True, on_step=True, on_epoch=False, batch_size=batch_size)
+
+    @staticmethod
+    def _row_values(per_row: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """A per-row ``[B]`` column broadcast over tokens of a padded ``[B, S]`` or packed row."""
+        if like.shape[0] == per_row.shape[0]:
+            return per_row.float().unsqueeze(1)
+        return torch.ones_like(like)  # packed: placeholder rows carry token_mask 0 already
