@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tq_plugin.data_plane import LocalDataPlane, nested_from_lengths
-from tq_plugin.data_plane.backends._checkpoint import (
+from tq_plugin.data_plane.checkpoint import (
     MANIFEST,
     MANIFEST_DIGEST,
     CheckpointError,
@@ -335,7 +335,7 @@ def test_load_into_another_client_puts_the_rows_and_warns_about_claims(ck: Path)
 
 
 def test_metadata_round_trips_and_is_validated_like_tags(tmp_path: Path) -> None:
-    from tq_plugin.data_plane.backends._checkpoint import save_store
+    from tq_plugin.data_plane.checkpoint import save_store
 
     s = LocalDataPlane()
     note = {"step": 3, "meta": {"sample_ids": ["a"], "extra_info": {"pad": 8}}}

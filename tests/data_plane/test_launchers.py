@@ -201,7 +201,7 @@ if sys.argv[1] == "spawn":
     from tq_plugin.data_plane.processes import SpawnLauncher as Launcher
 else:
     import ray
-    from tq_plugin.data_plane.backends.ray_actor import start_ray_on_loopback
+    from tq_plugin.data_plane.backends.ray_cluster import start_ray_on_loopback
     from tq_plugin.data_plane.backends.ray_workers import RayActorLauncher as Launcher
     start_ray_on_loopback(sys.argv[1], None, {"log_to_driver": False})
     ray.cloudpickle.register_pickle_by_value(targets)

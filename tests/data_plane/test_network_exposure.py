@@ -150,7 +150,7 @@ else:
 
 
 def test_a_driver_with_the_wrong_token_is_refused(ray_session):
-    from tq_plugin.data_plane.backends.ray_actor import cluster_answers_without_token
+    from tq_plugin.data_plane.backends.ray_cluster import cluster_answers_without_token
 
     gcs = ray_session.get_runtime_context().gcs_address
     assert not cluster_answers_without_token(gcs)
@@ -164,7 +164,7 @@ def test_a_driver_with_the_wrong_token_is_refused(ray_session):
 
 UNAUTHENTICATED = """
 import json, sys
-from tq_plugin.data_plane.backends.ray_actor import (
+from tq_plugin.data_plane.backends.ray_cluster import (
     UnauthenticatedClusterError, cluster_answers_without_token, start_ray_on_loopback)
 ray_init = {"num_cpus": 1, "log_to_driver": False}
 try:
@@ -174,12 +174,12 @@ except UnauthenticatedClusterError:
     refused_start = True
 start_ray_on_loopback(None, None, ray_init, allow_unauthenticated=True)
 import ray
-from tq_plugin.data_plane.backends import ray_actor
+from tq_plugin.data_plane.backends import ray_cluster
 gcs = ray.get_runtime_context().gcs_address
 answers = cluster_answers_without_token(gcs)
-ray_actor._VERIFIED.clear()
+ray_cluster._VERIFIED.clear()
 try:
-    ray_actor._refuse_unauthenticated(False)
+    ray_cluster._refuse_unauthenticated(False)
     refused_attach = False
 except UnauthenticatedClusterError:
     refused_attach = True

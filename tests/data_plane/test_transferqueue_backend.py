@@ -125,24 +125,24 @@ def test_start_up_refuses_without_the_cpus_transferqueue_would_wait_for(monkeypa
 
 
 def test_sockets_stay_on_loopback_unless_allowed(monkeypatch, caplog, ray_session):
-    from tq_plugin.data_plane.backends import transferqueue as mod
+    from tq_plugin.data_plane.backends import transferqueue_service as mod
 
-    mod._check_node_is_loopback(False)  # the session's Ray runs on 127.0.0.2
+    mod.check_nodes_on_loopback(False)  # the session's Ray runs on 127.0.0.2
     monkeypatch.setattr(ray_session.util, "get_node_ip_address", lambda: "10.1.2.3")
     with pytest.raises(RuntimeError, match=r"10\.1\.2\.3.*not loopback.*unauthenticated.*allow_non_loopback"):
-        mod._check_node_is_loopback(False)
+        mod.check_nodes_on_loopback(False)
     with caplog.at_level(logging.WARNING, logger=mod.__name__):
-        mod._check_node_is_loopback(True)
+        mod.check_nodes_on_loopback(True)
     assert "unpickle" in caplog.text and "10.1.2.3" in caplog.text
 
 
 def test_a_blocking_call_past_its_deadline_raises():
-    from tq_plugin.data_plane.backends.transferqueue import _deadline
+    from tq_plugin.data_plane.backends.transferqueue_service import with_deadline
 
     gate = threading.Event()
     try:
         with pytest.raises(TimeoutError, match="kv_batch_get did not answer within 0.2s"):
-            _deadline("kv_batch_get", 0.2, gate.wait, timeout=30)
+            with_deadline("kv_batch_get", 0.2, gate.wait, timeout=30)
     finally:
         gate.set()
 

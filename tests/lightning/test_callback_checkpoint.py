@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from tq_plugin.data_plane import INPUT_IDS, KVBatchMeta
-from tq_plugin.data_plane.backends._checkpoint import CheckpointError
+from tq_plugin.data_plane.checkpoint import CheckpointError
 from tq_plugin.lightning import MICROBATCH_INFO, DataPlaneCallback, MetaDataModule
 from tq_plugin.lightning.demo import POLICY_FIELDS, DemoPolicy, SyntheticRollouts, partition_spec
 

@@ -6,6 +6,7 @@ Layering is one-way: column I/O, packing and sharding talk to a backend only thr
 
 from tq_plugin.data_plane.backends.local import LocalDataPlane
 from tq_plugin.data_plane.backends.ray_actor import RayDataPlane  # imports Ray only when built
+from tq_plugin.data_plane.checkpoint import CheckpointError, Restored, load_into
 from tq_plugin.data_plane.client import (
     CapacityError,
     DataPlaneClient,
@@ -20,6 +21,7 @@ from tq_plugin.data_plane.column_io import (
     write_columns,
 )
 from tq_plugin.data_plane.jagged import (
+    batch_of,
     jaggedize,
     nested_from_lengths,
     payload_bytes,
@@ -86,7 +88,12 @@ __all__ = [  # noqa: RUF022  (grouped by kind, not sorted)
     "LocalDataPlane",
     "RayDataPlane",
     "call_dp",
+    # checkpoints (the format and its guarantees: tq_plugin.data_plane.checkpoint)
+    "CheckpointError",
+    "Restored",
+    "load_into",
     # column I/O, packing, sharding
+    "batch_of",
     "first_write",
     "jaggedize",
     "materialize",

@@ -1,5 +1,5 @@
 """Jagged columns: building them from values + lengths, cutting padded columns to their rows,
-and what they weigh. Per-token columns live jagged on the wire (row *i* holds exactly
+what they weigh, and a batch of columns as a ``TensorDict`` (``batch_of``). Per-token columns live jagged on the wire (row *i* holds exactly
 ``input_lengths[i]`` elements); padding is paid only when a reader materializes them."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 
 # torch 2.13's nested_tensor_from_jagged logs a warning meant for fx/export tracing on its first
 # call, outside any tracing. Drop exactly that record; every other torch.fx message still shows.
@@ -72,3 +72,15 @@ def payload_bytes(fields: Mapping[str, Any] | TensorDictBase | None) -> int:
             buf = value._values if value.is_nested else value  # type: ignore[attr-defined]
             total += buf.numel() * buf.element_size()
     return total
+
+
+# TensorDict's constructor re-checks every leaf against the batch size (~10 us for 24 fields);
+# a batch the store built row by row already holds, so it takes the unchecked constructor.
+_unchecked = getattr(TensorDict, "_new_unsafe", None)
+
+
+def batch_of(columns: dict[str, torch.Tensor], n: int) -> TensorDict:
+    """A ``TensorDict`` of batch ``[n]`` over ``columns``, each already ``n`` rows long."""
+    if _unchecked is not None:
+        return _unchecked(columns, batch_size=torch.Size([n]))
+    return TensorDict(columns, batch_size=[n])

@@ -40,7 +40,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from tq_plugin.data_plane.backends._checkpoint import CheckpointError, load_into
+from tq_plugin.data_plane.checkpoint import CheckpointError, load_into
 from tq_plugin.data_plane.client import call_dp
 from tq_plugin.data_plane.column_io import write_columns
 from tq_plugin.data_plane.meta import KVBatchMeta

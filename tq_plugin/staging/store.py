@@ -18,9 +18,9 @@ from tq_plugin.data_plane import (
     ROUTED_EXPERTS_FIELD,
     ROUTED_EXTRAS_METADATA_FIELD,
     ROUTED_LEN_FIELD,
+    batch_of,
     call_dp,
 )
-from tq_plugin.data_plane.backends._validate import batch_of
 from tq_plugin.data_plane.client import accepts_put_mode
 from tq_plugin.staging.media import (
     MEDIA_IMGS_FIELD,

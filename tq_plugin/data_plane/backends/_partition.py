@@ -3,6 +3,7 @@
 A ``Partition`` holds its schema (declared and jagged field names, row limit, consumer tasks),
 the id -> slot map with its free list, one column per field, tags, first-put order and each
 consumer task's queue of unclaimed rows, plus the one-row write buffer (``_buffer``).
+``snapshot`` copies it for a checkpoint (``tq_plugin.data_plane.checkpoint``).
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from tq_plugin.data_plane.backends._buffer import RowPlan
 from tq_plugin.data_plane.backends._columns import DenseColumn, JaggedColumn
 from tq_plugin.data_plane.backends._validate import str_list
+from tq_plugin.data_plane.checkpoint import PartitionSnapshot
 
 PUT_MODES = ("upsert", "insert", "update")
 # The default capacity: this share of the memory available when the store is created. Buffers
@@ -86,6 +89,51 @@ class Partition:
     @property
     def live_bytes(self) -> int:
         return sum(c.live_bytes for c in self.columns.values())
+
+    def snapshot(self) -> PartitionSnapshot:
+        """A copy of the live rows and state, for a checkpoint (call under the store's lock)."""
+        ids = list(self.slot_of)
+        slots = np.fromiter(self.slot_of.values(), dtype=np.int64, count=len(ids))
+        order = np.argsort(self.arrival[slots], kind="stable") if len(ids) else slots
+        ids = [ids[i] for i in order.tolist()]
+        slots = slots[order]
+        fields: list[dict[str, Any]] = []
+        tensors: dict[str, torch.Tensor] = {}
+        for name, col in sorted(self.columns.items()):
+            rows = np.flatnonzero(col.has(slots)) if len(ids) else np.zeros(0, dtype=np.int64)
+            if rows.shape[0] == 0:
+                continue  # no live data: the column's kind is free again, like in the live store
+            key = str(len(fields))
+            spec = col.spec
+            fields.append({
+                "name": name,
+                "kind": "jagged" if spec.jagged else "dense",
+                "dtype": str(spec.dtype).removeprefix("torch."),
+                "shape": list(spec.shape),
+            })
+            tensors[f"{key}.rows"] = torch.from_numpy(rows.astype(np.int64))
+            if spec.jagged:
+                values, offsets = col.read(slots[rows])
+                tensors[f"{key}.values"] = values.contiguous()
+                tensors[f"{key}.lengths"] = offsets.diff().contiguous()
+            else:
+                tensors[f"{key}.data"] = col.read(slots[rows]).contiguous()
+        live = set(ids)
+        tags = {sid: dict(t) for sid, t in self.tags.items() if t and sid in live}
+        entry = {
+            "partition_id": self.partition_id,
+            "declared": sorted(self.declared),
+            "jagged": sorted(self.jagged),
+            "num_samples": self.num_samples,
+            "consumer_tasks": list(self.consumer_tasks),
+            "grpo_group_size": self.grpo_group_size,
+            "enums": {k: list(v) for k, v in self.enums.items()},
+            "sample_ids": ids,
+            "tags": tags,
+            "consumed": {task: sorted(c & live) for task, c in self.consumed.items()},
+            "fields": fields,
+        }
+        return PartitionSnapshot(entry, tensors)
 
 
 def checked_enums(enums: Any, where: str) -> dict[str, list[str]]:

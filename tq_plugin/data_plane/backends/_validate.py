@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 from torch.nested._internal.nested_tensor import NestedTensor
 
 from tq_plugin.data_plane.backends._columns import ColumnSpec, dtype_support
@@ -140,18 +140,6 @@ def field_items(fields: FieldsLike | None, n: int) -> list[tuple[str, torch.Tens
                 "(dense or torch.jagged nested) are stored. Put primitives in tags."
             )
     return pairs
-
-
-# TensorDict's constructor re-checks every leaf against the batch size (~10 us for 24 fields);
-# a batch the store built row by row already holds, so it takes the unchecked constructor.
-_unchecked = getattr(TensorDict, "_new_unsafe", None)
-
-
-def batch_of(columns: dict[str, torch.Tensor], n: int) -> TensorDict:
-    """A ``TensorDict`` of batch ``[n]`` over ``columns``, each already ``n`` rows long."""
-    if _unchecked is not None:
-        return _unchecked(columns, batch_size=torch.Size([n]))
-    return TensorDict(columns, batch_size=[n])
 
 
 def lengths_from(items: list[tuple[str, torch.Tensor]]) -> list[int] | None:

@@ -29,7 +29,6 @@ from tq_plugin.data_plane.backends._partition import (
     checked_enums,
 )
 from tq_plugin.data_plane.backends._validate import (
-    batch_of,
     checked_tags,
     copy_tag,
     field_items,
@@ -40,11 +39,13 @@ from tq_plugin.data_plane.backends._validate import (
     str_list,
 )
 from tq_plugin.data_plane.backends._writes import WritePath
+from tq_plugin.data_plane.checkpoint import PartitionSnapshot, load_into, save_store
 from tq_plugin.data_plane.client import (
     DataPlaneClosedError,
     DataPlaneCorruptionError,
     FieldsLike,
 )
+from tq_plugin.data_plane.jagged import batch_of
 from tq_plugin.data_plane.meta import KVBatchMeta
 
 
@@ -420,16 +421,38 @@ class LocalDataPlane(WritePath, RowBuffer, TaskCursors):
     def save(self, path: str, *, metadata: Mapping[str, Any] | None = None) -> None:
         """Checkpoint every partition (and JSON ``metadata``) to the directory ``path``.
 
-        Atomic, no pickle; ``_checkpoint`` describes the format.
+        Atomic, no pickle; ``tq_plugin.data_plane.checkpoint`` describes the format.
         """
-        from tq_plugin.data_plane.backends._checkpoint import save_store
-
         save_store(self, path, metadata=metadata)  # copies under self._lock, writes outside it
 
     @classmethod
     def load(cls, path: str) -> LocalDataPlane:
         """A new store from a ``save`` checkpoint; rejects a truncated or modified one."""
-        from tq_plugin.data_plane.backends._checkpoint import load_store
+        store = cls()
+        try:
+            load_into(store, path)
+        except BaseException:
+            store.close()
+            raise
+        return store
 
-        return load_store(path)
+    def snapshot_partitions(self) -> list[PartitionSnapshot]:
+        """A copy of every partition, for a checkpoint: taken under the lock (a consistent cut,
+        no put half in it), buffered one-row puts included (they are acknowledged rows too)."""
+        with self._lock:
+            self._require_open()
+            self._flush_all()
+            return [p.snapshot() for _, p in sorted(self._partitions.items())]
+
+    def restore_claims(self, partition_id: str, claimed: Mapping[str, list[str]]) -> None:
+        """Mark rows claimed by tasks as ``claim_meta`` does (a checkpoint's claims coming back;
+        the claim API cannot name the rows it hands out)."""
+        with self._lock:
+            part = self._partition(partition_id)
+            for task, ids in claimed.items():
+                part.consumed.setdefault(task, set()).update(ids)
+                pending = part.pending.get(task)
+                if pending is not None:
+                    for sid in ids:
+                        pending.pop(sid, None)
 

@@ -1,9 +1,9 @@
 """``TransferQueueDataPlane``: the data-plane protocol over TransferQueue 0.1.11 (``tq_plugin[tq]``).
 
-The only module that imports ``transfer_queue``, and only when a client is built, so the base
-install never needs Ray. It starts TransferQueue on Ray (Ray itself on loopback, 127.0.0.1, with
-token authentication, unless ``address`` names a cluster) or attaches to the one already running, and translates the
-protocol to TransferQueue's key-value calls.
+``transfer_queue`` is imported only when a client is built (``transferqueue_service``), so the
+base install never needs Ray. A client starts TransferQueue on Ray (Ray itself on loopback,
+127.0.0.1, with token authentication, unless ``address`` names a cluster) or attaches to the one
+already running, and translates the protocol to TransferQueue's key-value calls.
 
 TransferQueue is lax where our contract is strict (reference ``transferqueue.md`` §5): it accepts
 a dtype change and corrupts later reads, drops missing keys from a read, answers a missing field
@@ -13,26 +13,18 @@ are the same), turns short reads into ``KeyError``, and densifies what was writt
 schema lives in TransferQueue itself, as the tag of one reserved key per partition, so every
 process attached to the same TransferQueue enforces the same rules.
 
-Safety: TransferQueue's ZMQ sockets are unauthenticated and unpickle what they receive. They bind
-to the address of the Ray node their actor runs on, so this adapter refuses a cluster with any
-node off loopback unless ``allow_non_loopback=True``, and then logs a warning that says why. Ray's
-own ports are covered by its token authentication (``start_ray_on_loopback``).
-
-Start-up never hangs: TransferQueue 0.1.11 waits forever when Ray lacks the CPUs its actors ask
-for, so the adapter checks them first, and every blocking call runs under a deadline.
+Start-up (``transferqueue_service``) never hangs and keeps TransferQueue's unauthenticated
+sockets on loopback; Ray's own ports are covered by its token authentication (``ray_cluster``).
+Every blocking call runs under a deadline.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import ipaddress
 import json
-import logging
-import os
 import threading
 import uuid
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -50,121 +42,21 @@ from tq_plugin.data_plane.backends._validate import (
     prepare,
     str_list,
 )
-from tq_plugin.data_plane.backends.ray_actor import LOOPBACK_NODE_IP, start_ray_on_loopback
+from tq_plugin.data_plane.backends.ray_cluster import gcs_address
+from tq_plugin.data_plane.backends.transferqueue_service import (
+    ensure_transfer_queue,
+    import_transfer_queue,
+    shutdown_transfer_queue,
+    with_deadline,
+)
 from tq_plugin.data_plane.client import DataPlaneClosedError, FieldsLike
 from tq_plugin.data_plane.meta import KVBatchMeta
 from tq_plugin.data_plane.schema import INPUT_LENGTHS
-
-log = logging.getLogger(__name__)
 
 PUT_MODES = ("upsert", "insert", "update")
 # The reserved key holding a partition's schema (in its tag); never a sample id.
 SCHEMA_KEY = "__tq_plugin_schema__"
 _SEP = "/"  # TransferQueue partition = "<store>/<partition_id>"
-
-_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="tq-deadline")
-_STATE: dict[str, Any] = {"started_here": False}
-_STATE_LOCK = threading.Lock()
-
-
-def _tq() -> Any:
-    # TransferQueue reads its thread knobs at import; on a small box its default of 8 threads
-    # logs a warning on every call.
-    os.environ.setdefault("TQ_NUM_THREADS", str(min(8, os.cpu_count() or 1)))
-    os.environ.setdefault("TQ_LOGGING_LEVEL", "WARNING")
-    try:
-        import transfer_queue
-    except ImportError as e:  # pragma: no cover - exercised only without the extra
-        raise ImportError(
-            "TransferQueueDataPlane needs TransferQueue: pip install 'tq_plugin[tq]'"
-        ) from e
-    return transfer_queue
-
-
-def _deadline(what: str, timeout_s: float, fn: Callable[..., Any], /, **kwargs: Any) -> Any:
-    """``fn(**kwargs)``, or ``TimeoutError`` naming ``what`` after ``timeout_s`` seconds."""
-    future = _POOL.submit(fn, **kwargs)
-    try:
-        return future.result(timeout=timeout_s)
-    except concurrent.futures.TimeoutError:
-        raise TimeoutError(f"TransferQueue {what} did not answer within {timeout_s}s") from None
-
-
-def _check_node_is_loopback(allow_non_loopback: bool) -> None:
-    """Every node TransferQueue's actors may land on must be on loopback (or it is allowed)."""
-    import ray
-
-    ips = {ray.util.get_node_ip_address()}
-    ips.update(n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive"))
-    off = sorted(ip for ip in ips if not ipaddress.ip_address(ip.strip("[]")).is_loopback)
-    if not off:
-        return
-    ip = ", ".join(off)
-    why = (
-        f"TransferQueue binds its ZMQ sockets to its Ray node's address ({ip} is not loopback); "
-        "those sockets are unauthenticated and unpickle what they receive, so anyone who can "
-        "reach them can run code in the storage processes"
-    )
-    if not allow_non_loopback:
-        raise RuntimeError(
-            f"{why}. Start Ray on loopback ({LOOPBACK_NODE_IP}, the default when this adapter "
-            "starts it), or set tq.backend.allow_non_loopback=true on a trusted network."
-        )
-    log.warning("%s (allowed by allow_non_loopback=True: keep this network trusted).", why)
-
-
-def ensure_transfer_queue(*, num_storage_units: int = 1, init_timeout_s: float = 60.0,
-                          address: str | None = None, ray_init: Mapping[str, Any] | None = None,
-                          allow_non_loopback: bool = False,
-                          allow_unauthenticated: bool = False) -> None:
-    """Start TransferQueue (and Ray, on loopback) or attach to the running one; never hangs."""
-    import ray
-
-    tq = _tq()
-    with _STATE_LOCK:
-        start_ray_on_loopback(address, None, ray_init, allow_unauthenticated=allow_unauthenticated)
-        _check_node_is_loopback(allow_non_loopback)
-        try:
-            ray.get_actor("TransferQueueController", namespace="transfer_queue")
-            running = True
-        except ValueError:
-            running = False
-        if running:
-            _deadline("attach (tq.init)", init_timeout_s, tq.init)
-            return
-        if isinstance(num_storage_units, bool) or not isinstance(num_storage_units, int) or num_storage_units < 1:
-            raise ValueError(f"tq.backend.num_storage_units must be an int >= 1, got {num_storage_units!r}")
-        need = 1 + num_storage_units
-        have = ray.available_resources().get("CPU", 0.0)
-        if have < need:
-            raise RuntimeError(
-                f"TransferQueue needs {need} Ray CPUs (1 controller + {num_storage_units} storage "
-                f"units, one each) but Ray has {have:g} available; start Ray with more num_cpus "
-                "or lower tq.backend.num_storage_units (0.1.11 would otherwise wait forever)"
-            )
-        from omegaconf import OmegaConf
-
-        conf = OmegaConf.create({
-            # Polling: a starved claim returns empty at once instead of stalling the controller.
-            "controller": {"polling_mode": True},
-            "backend": {"storage_backend": "SimpleStorage",
-                        "SimpleStorage": {"num_data_storage_units": num_storage_units}},
-        })
-        try:
-            _deadline("start-up (tq.init)", init_timeout_s, tq.init, conf=conf)
-        except TimeoutError:
-            _deadline("clean-up after a failed start", 30.0, tq.close)
-            raise
-        _STATE["started_here"] = True
-
-
-def shutdown_transfer_queue(timeout_s: float = 60.0) -> None:
-    """Stop TransferQueue if this process started it (its actors would die with it anyway)."""
-    with _STATE_LOCK:
-        if _STATE["started_here"]:
-            _deadline("shutdown (tq.close)", timeout_s, _tq().close)
-            _STATE["started_here"] = False
-
 
 class _Spec:
     """What ``prepare`` reads of a live column: its spec (and that it has rows)."""
@@ -250,13 +142,11 @@ class TransferQueueDataPlane:
         to the running ones) and return the GCS address other processes attach with
         (``address=...``): how the DDP ranks of one run reach one TransferQueue. Starting it
         here, before any rank exists, means no two ranks race to start it."""
-        import ray
-
         ensure_transfer_queue(num_storage_units=num_storage_units, init_timeout_s=init_timeout_s,
                               address=address, ray_init=ray_init,
                               allow_non_loopback=allow_non_loopback,
                               allow_unauthenticated=allow_unauthenticated)
-        return str(ray.get_runtime_context().gcs_address)
+        return gcs_address()
 
     # ------------------------------------------------------------------ plumbing
     def _connect(self) -> Any:
@@ -264,20 +154,20 @@ class TransferQueueDataPlane:
         # arguments (a TransferQueue attach from there never completes).
         if self._tq is None:
             ensure_transfer_queue(**self._start)
-            self._tq = _tq()
+            self._tq = import_transfer_queue()
         return self._tq
 
     def _call(self, name: str, **kwargs: Any) -> Any:
         """``transfer_queue.<name>(**kwargs)`` under the operation deadline."""
         if self._closed:
             raise DataPlaneClosedError("TransferQueueDataPlane client is closed; create a new client")
-        return _deadline(name, self.op_timeout_s, getattr(self._connect(), name), **kwargs)
+        return with_deadline(name, self.op_timeout_s, getattr(self._connect(), name), **kwargs)
 
     def _ccall(self, name: str, **kwargs: Any) -> Any:
         """``transfer_queue.get_client().<name>(**kwargs)`` under the operation deadline."""
         if self._closed:
             raise DataPlaneClosedError("TransferQueueDataPlane client is closed; create a new client")
-        return _deadline(name, self.op_timeout_s, getattr(self._connect().get_client(), name), **kwargs)
+        return with_deadline(name, self.op_timeout_s, getattr(self._connect().get_client(), name), **kwargs)
 
     def _pid(self, partition_id: str) -> str:
         if not isinstance(partition_id, str) or not partition_id:
@@ -627,9 +517,7 @@ class TransferQueueDataPlane:
         return RayActorLauncher(**options)
 
     def __reduce__(self):
-        import ray
-
-        address = ray.get_runtime_context().gcs_address
+        address = gcs_address()
         return (_attach, (self.store, address, self.init_timeout_s, self.op_timeout_s,
                           self.allow_non_loopback, self.allow_unauthenticated))
 
@@ -656,3 +544,6 @@ def _as_written(name: str, value: torch.Tensor, spec: ColumnSpec, n: int) -> tor
         return value.values().reshape(n, *spec.shape)
     return torch.stack(value.unbind()).reshape(n, *spec.shape)
 
+
+# The service functions stay reachable here, beside the client that starts the service.
+__all__ = ["TransferQueueDataPlane", "ensure_transfer_queue", "shutdown_transfer_queue"]

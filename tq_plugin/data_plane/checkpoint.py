@@ -1,4 +1,10 @@
-"""Safe checkpoints of the embedded store: tensors in safetensors, metadata in JSON, no pickle.
+"""Safe checkpoints of a data-plane store: tensors in safetensors, metadata in JSON, no pickle.
+
+``LocalDataPlane.save`` / ``load`` (and the Ray store's, run in its actor) go through here, and
+``load_into`` puts a checkpoint into any ``DataPlaneClient``. A store that can be saved exposes
+``snapshot_partitions()`` (a consistent copy of every partition as ``PartitionSnapshot``s); a
+store that keeps claims defines ``restore_claims(partition_id, claimed)`` on its class. Nothing here reaches
+into a store's private state.
 
 A checkpoint is a directory::
 
@@ -36,7 +42,7 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -49,9 +55,6 @@ from safetensors.torch import save as _st_save
 from tq_plugin.data_plane.backends._columns import gather_rows
 from tq_plugin.data_plane.client import call_dp
 from tq_plugin.data_plane.jagged import nested_from_lengths
-
-if TYPE_CHECKING:
-    from tq_plugin.data_plane.backends.local import LocalDataPlane
 
 FORMAT = "tq_plugin.local_store"
 FORMAT_VERSION = 1
@@ -112,16 +115,27 @@ class Restored(NamedTuple):
 
 # ---------------------------------------------------------------------- snapshot (save side)
 @dataclass
-class _PartitionSnapshot:
+class PartitionSnapshot:
+    """One partition, copied: ``entry`` (its schema, live ids in first-put order, tags, claims,
+    its fields' kinds, dtypes and shapes: the manifest's partition entry, less the digest) and
+    ``tensors`` (per field ``<i>.rows`` and ``<i>.data``, or ``<i>.values`` + ``<i>.lengths``)."""
+
     entry: dict[str, Any]
     tensors: dict[str, torch.Tensor]
+
+
+class Checkpointable(Protocol):
+    """What ``save_store`` needs of a store: a consistent copy of every partition."""
+
+    def snapshot_partitions(self) -> list[PartitionSnapshot]: ...
 
 
 def _file_of(index: int) -> str:
     return f"{index}.safetensors"
 
 
-def _check_tag_value(value: Any, where: str) -> None:
+def check_tag_value(value: Any, where: str) -> None:
+    """Refuse a tag (or metadata) value JSON would not carry back as it went in."""
     if value is None or isinstance(value, (str, bool, int)):
         return
     if isinstance(value, float):
@@ -130,13 +144,13 @@ def _check_tag_value(value: Any, where: str) -> None:
         return
     if isinstance(value, list):
         for i, item in enumerate(value):
-            _check_tag_value(item, f"{where}[{i}]")
+            check_tag_value(item, f"{where}[{i}]")
         return
     if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
                 raise TypeError(f"{where} has a non-string key {key!r}; JSON keys are strings")
-            _check_tag_value(item, f"{where}[{key!r}]")
+            check_tag_value(item, f"{where}[{key!r}]")
         return
     raise TypeError(
         f"{where} is a {type(value).__name__}; a checkpoint stores tags made of str, int, "
@@ -144,53 +158,7 @@ def _check_tag_value(value: Any, where: str) -> None:
     )
 
 
-def _snapshot_partition(part: Any) -> _PartitionSnapshot:
-    """Copy one partition's live rows and state (called under the store's lock)."""
-    ids = list(part.slot_of)
-    slots = np.fromiter(part.slot_of.values(), dtype=np.int64, count=len(ids))
-    order = np.argsort(part.arrival[slots], kind="stable") if len(ids) else slots
-    ids = [ids[i] for i in order.tolist()]
-    slots = slots[order]
-    fields: list[dict[str, Any]] = []
-    tensors: dict[str, torch.Tensor] = {}
-    for name, col in sorted(part.columns.items()):
-        rows = np.flatnonzero(col.has(slots)) if len(ids) else np.zeros(0, dtype=np.int64)
-        if rows.shape[0] == 0:
-            continue  # no live data: the column's kind is free again, like in the live store
-        key = str(len(fields))
-        spec = col.spec
-        fields.append({
-            "name": name,
-            "kind": "jagged" if spec.jagged else "dense",
-            "dtype": str(spec.dtype).removeprefix("torch."),
-            "shape": list(spec.shape),
-        })
-        tensors[f"{key}.rows"] = torch.from_numpy(rows.astype(np.int64))
-        if spec.jagged:
-            values, offsets = col.read(slots[rows])
-            tensors[f"{key}.values"] = values.contiguous()
-            tensors[f"{key}.lengths"] = offsets.diff().contiguous()
-        else:
-            tensors[f"{key}.data"] = col.read(slots[rows]).contiguous()
-    live = set(ids)
-    tags = {sid: dict(t) for sid, t in part.tags.items() if t and sid in live}
-    entry = {
-        "partition_id": part.partition_id,
-        "declared": sorted(part.declared),
-        "jagged": sorted(part.jagged),
-        "num_samples": part.num_samples,
-        "consumer_tasks": list(part.consumer_tasks),
-        "grpo_group_size": part.grpo_group_size,
-        "enums": {k: list(v) for k, v in part.enums.items()},
-        "sample_ids": ids,
-        "tags": tags,
-        "consumed": {task: sorted(c & live) for task, c in part.consumed.items()},
-        "fields": fields,
-    }
-    return _PartitionSnapshot(entry, tensors)
-
-
-def _validate_tags(snap: _PartitionSnapshot) -> None:
+def _validate_tags(snap: PartitionSnapshot) -> None:
     pid = snap.entry["partition_id"]
     for sid, tags in snap.entry["tags"].items():
         for key, value in tags.items():
@@ -198,7 +166,7 @@ def _validate_tags(snap: _PartitionSnapshot) -> None:
                 raise TypeError(
                     f"save: tag key {key!r} of sample {sid!r} in partition {pid!r} is not a string"
                 )
-            _check_tag_value(value, f"save: tag {key!r} of sample {sid!r} in partition {pid!r}")
+            check_tag_value(value, f"save: tag {key!r} of sample {sid!r} in partition {pid!r}")
 
 
 # ---------------------------------------------------------------------- files
@@ -230,20 +198,20 @@ def _siblings(path: Path, kind: str) -> list[Path]:
 
 
 def save_store(
-    store: LocalDataPlane,
+    store: Checkpointable,
     path: str | os.PathLike[str],
     *,
     metadata: Mapping[str, Any] | None = None,
 ) -> None:
     """Write ``store`` to the directory ``path``, replacing an existing checkpoint atomically.
 
-    The store is copied under its lock (a consistent cut: no put is half in it), then written
-    without holding the lock. ``metadata`` (JSON primitives) is kept in the manifest and handed
+    The store copies itself (``snapshot_partitions``: under its lock, a consistent cut with no
+    put half in it), then the copy is written without holding the lock. ``metadata`` (JSON primitives) is kept in the manifest and handed
     back by ``load_into``. A tag or metadata value that JSON cannot carry faithfully raises
     before anything is written. One writer per ``path`` at a time.
     """
     meta = dict(metadata or {})
-    _check_tag_value(meta, "save: metadata")
+    check_tag_value(meta, "save: metadata")
     target = Path(path)
     if target.exists() and not (target / MANIFEST_DIGEST).is_file() and (
         not target.is_dir() or any(target.iterdir())
@@ -251,10 +219,7 @@ def save_store(
         raise CheckpointError(
             f"save: {str(target)!r} exists and is not a checkpoint; refusing to replace it"
         )
-    with store._lock:
-        store._require_open()
-        store._flush_all()  # buffered one-row puts are acknowledged rows too
-        snaps = [_snapshot_partition(p) for _, p in sorted(store._partitions.items())]
+    snaps = store.snapshot_partitions()
     for snap in snaps:
         _validate_tags(snap)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -491,10 +456,9 @@ def load_into(client: Any, path: str | os.PathLike[str]) -> Restored:
     order (so claims keep their order), each row's fields in one put, revalidated by
     ``put_samples``; rows with the same
     id are overwritten, other rows of the client are left alone. Claims are restored when the
-    client is a ``LocalDataPlane``; another backend gets the rows and a warning.
+    client keeps them (``restore_claims``: ``LocalDataPlane``, the Ray store's actor); another
+    backend gets the rows and a warning.
     """
-    from tq_plugin.data_plane.backends.local import LocalDataPlane
-
     loaded, metadata = read_checkpoint(path)
     for lp in loaded:
         e = lp.entry
@@ -519,8 +483,10 @@ def load_into(client: Any, path: str | os.PathLike[str]) -> Restored:
         claimed = {t: c for t, c in e.consumed.items() if c}
         if not claimed:
             continue
-        if isinstance(client, LocalDataPlane):
-            _restore_claims(client, e.partition_id, claimed)
+        # The store's own class must keep claims: a wrapper that forwards attributes (a metered
+        # or proxy client) is not the store, and gets the warning.
+        if callable(getattr(type(client), "restore_claims", None)):
+            client.restore_claims(e.partition_id, claimed)
         else:
             warnings.warn(
                 f"load: claims of partition {e.partition_id!r} are not restored into a "
@@ -530,30 +496,3 @@ def load_into(client: Any, path: str | os.PathLike[str]) -> Restored:
                 stacklevel=2,
             )
     return Restored([lp.entry.partition_id for lp in loaded], metadata)
-
-
-def _restore_claims(
-    store: LocalDataPlane, partition_id: str, claimed: dict[str, list[str]]
-) -> None:
-    """Mark rows claimed the way ``claim_meta`` does (the public API cannot name the rows)."""
-    with store._lock:
-        part = store._partition(partition_id)
-        for task, ids in claimed.items():
-            part.consumed.setdefault(task, set()).update(ids)
-            pending = part.pending.get(task)
-            if pending is not None:
-                for sid in ids:
-                    pending.pop(sid, None)
-
-
-def load_store(path: str | os.PathLike[str]) -> LocalDataPlane:
-    """A new ``LocalDataPlane`` holding the checkpoint at ``path``."""
-    from tq_plugin.data_plane.backends.local import LocalDataPlane
-
-    store = LocalDataPlane()
-    try:
-        load_into(store, path)
-    except BaseException:
-        store.close()
-        raise
-    return store
