@@ -138,6 +138,20 @@ def test_the_cursor_walks_seeded_shuffles_and_resumes_from_its_state(tmp_path, t
         resumed.load_state_dict({**state, "rows": 11})
 
 
+def test_seek_draws_a_slot_of_the_prompt_stream_wherever_it_runs(tmp_path, tiny):
+    """A disaggregated worker positions its own task at its ticket's slot: the rows it draws
+    are the ones one task walking the whole stream draws there, across epochs, in any order."""
+    path = write(tmp_path / "p.jsonl", [{"prompt": f"reverse: {c}", "answer": c}
+                                        for c in "abcde" * 2], "jsonl")
+    stream = _task(path, tiny, seed=3).next_rows(30)  # three epochs
+    worker = _task(path, tiny, seed=3)
+    for slot in (4, 0, 2, 4, 1):  # 6 prompts a slot, out of order and repeated
+        worker.seek(slot * 6)
+        assert worker.next_rows(6) == stream[slot * 6:slot * 6 + 6], slot
+    with pytest.raises(ValueError, match="position must be >= 0"):
+        worker.seek(-1)
+
+
 def test_held_out_rows_are_never_sampled(tmp_path, tiny):
     path = write(tmp_path / "p.jsonl", [{"prompt": f"reverse: {i}", "answer": str(i)}
                                         for i in range(10)], "jsonl")
@@ -180,7 +194,7 @@ def test_a_broken_reward_fails_the_score_naming_it(tmp_path, tiny):
     task = _task(write(tmp_path / "p.jsonl", ROWS, "jsonl"), tiny,
                  reward={"_target_": f"{__name__}.broken"})
     responses, lens = _encode(task, ["b a", "d c a"])
-    with pytest.raises(RewardError, match=f"{__name__}.broken: returned 1 values for 2"):
+    with pytest.raises(RewardError, match="reward broken: returned 1 values for 2"):
         task.score(responses, lens, torch.tensor([[0], [1]]), torch.ones(2, dtype=torch.long))
 
 

@@ -1,12 +1,19 @@
 """``task=prompts``: prompts from a local dataset file, a tokenizer, and reward functions.
 
 The file (``task.path``: json/jsonl, parquet or csv, read with HF ``datasets``) holds one prompt
-per row under ``task.prompt_key``: plain text (tokenized as is, with the tokenizer's own special
-tokens) or chat messages (``[{"role": ..., "content": ...}, ...]``, rendered with the tokenizer's
-chat template and its generation prompt). Every other column (``answer``, metadata) is handed to
-the reward functions (:mod:`tq_plugin.rl.tasks.rewards`) beside the prompts and the decoded
-completions. The tokenizer (``task.tokenizer``, by default ``model.pretrained_path``) gives the
-vocabulary and the EOS / pad ids.
+per row under ``task.prompt_key``: plain text (TRL's *standard* format: tokenized as is, with the
+tokenizer's own special tokens) or chat messages (*conversational*: ``[{"role": ..., "content":
+...}, ...]``, rendered with the tokenizer's chat template and its generation prompt). The reward
+functions (:mod:`tq_plugin.rl.tasks.rewards`) are called as TRL calls them: ``prompts`` (the
+dataset prompts, strings or message lists), ``completions`` (decoded with special tokens
+skipped: strings, or ``[{"role": "assistant", "content": text}]`` for conversational data),
+``completion_ids``, every other column (``answer``, ``solution``, metadata) and
+``trainer_state``. The tokenizer (``task.tokenizer``, by default ``model.pretrained_path``) gives
+the vocabulary and the EOS / pad ids.
+
+Every training score call is kept in :attr:`PromptTask.reward_log` (each reward's values, the
+weighted total, the texts, what the functions logged) until the step source drains it
+(:meth:`PromptTask.drain_reward_log`) into the step's per-reward metrics and sample completions.
 
 Prompts are drawn in a seeded shuffle of the rows, one epoch after another; the position in it
 (:meth:`PromptTask.state_dict`) rides the Lightning checkpoint (:class:`TaskState`), so a resumed
@@ -22,6 +29,8 @@ after the first see ``task.feedback`` (good / bad, by the reward) and are scored
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,11 +41,12 @@ from typing_extensions import override
 
 from tq_plugin.config import ConfigError
 from tq_plugin.rl.tasks.pattern import Episode
-from tq_plugin.rl.tasks.rewards import Reward, combine, load_rewards
+from tq_plugin.rl.tasks.rewards import Reward, RewardCall, TrainerState, combine, load_rewards
 
 FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 # A completion at least this rewarded counts as correct (eval/accuracy).
 CORRECT = 1.0
+log = logging.getLogger(__name__)
 
 
 def load_rows(path: str | Path, *, prompt_key: str, key: str = "task.path") -> list[dict]:
@@ -118,8 +128,14 @@ def render(tokenizer: Any, prompt: str | list[dict]) -> list[int]:
 
 
 def prompt_text(prompt: str | list[dict]) -> str:
-    """What a reward function sees as the prompt: the text, or the last message's content."""
+    """A prompt's text for a log line: the text, or the last message's content."""
     return prompt if isinstance(prompt, str) else prompt[-1]["content"]
+
+
+def is_conversational(prompt: Any) -> bool:
+    """TRL's test: a list whose first element is a message (a dict with a ``role``)."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict) \
+        and "role" in prompt[0]
 
 
 class PromptTask:
@@ -178,7 +194,9 @@ class PromptTask:
         self.seed, self.shuffle = seed, shuffle
         self.epoch, self.cursor = 0, 0
         self._order = self._epoch_order()
-        self.last_rewards: dict[str, list[float]] = {}
+        # Set by the step source before each step's rollouts (trainer_state.global_step).
+        self.trainer_state = TrainerState()
+        self.reward_log: list[dict[str, Any]] = []
 
     # ---------------------------------------------------------------- the worker's interface
     @property
@@ -232,22 +250,54 @@ class PromptTask:
         task's own state)."""
         return [Episode(target=[i], prompt=list(self.ids[i])) for i in self.next_rows(n)]
 
+    def set_step(self, step: int, max_steps: int = 0) -> None:
+        """The RL step the next rollouts are generated for (the reward functions'
+        ``trainer_state``)."""
+        self.trainer_state = TrainerState(global_step=int(step), max_steps=int(max_steps))
+
     def score(self, responses: torch.Tensor, response_lens: torch.Tensor,
               targets: torch.Tensor, target_lens: torch.Tensor) -> torch.Tensor:
-        """The weighted reward of each decoded completion (``targets[:, 0]``: its row)."""
+        """The weighted reward of each decoded completion (``targets[:, 0]``: its row); NaN for a
+        completion no reward applies to (kept out of its group's baseline, advantage 0)."""
         rows = [self.rows[i] for i in targets[:, 0].tolist()]
         return torch.tensor(self.reward_rows(rows, responses, response_lens), dtype=torch.float32)
 
+    def reward_call(self, rows: Sequence[Mapping[str, Any]], responses: torch.Tensor,
+                    response_lens: torch.Tensor) -> RewardCall:
+        """The reward functions' arguments for ``rows`` and their completions, TRL's way."""
+        ids = [r[:n].tolist() for r, n in zip(responses, response_lens.tolist())]
+        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        prompts = [r[self.prompt_key] for r in rows]
+        completions: list[Any] = texts
+        if prompts and is_conversational(prompts[0]):
+            completions = [[{"role": "assistant", "content": t}] for t in texts]
+        skip = {self.prompt_key, "completion", "completion_ids"}
+        columns = {k: [r.get(k) for r in rows] for k in rows[0] if k not in skip} if rows else {}
+        return RewardCall(prompts=prompts, completions=completions, completion_ids=ids,
+                          columns=columns, trainer_state=self.trainer_state)
+
     def reward_rows(self, rows: Sequence[Mapping[str, Any]], responses: torch.Tensor,
-                    response_lens: torch.Tensor) -> list[float]:
-        # Special tokens stay in the text (EOS is already cut off): a reward sees every token
-        # the policy emitted, so filler tokens that decode to nothing cannot pad an answer.
-        completions = [self.tokenizer.decode(r[:n].tolist(), skip_special_tokens=False)
-                       for r, n in zip(responses, response_lens.tolist())]
-        prompts = [prompt_text(r[self.prompt_key]) for r in rows]
-        columns = {k: [r[k] for r in rows] for k in rows[0] if k != self.prompt_key}
-        total, self.last_rewards = combine(self.rewards, prompts, completions, columns)
+                    response_lens: torch.Tensor, *, record: bool = True) -> list[float]:
+        """Each completion's weighted reward; ``record``: keep the call in the reward log."""
+        call = self.reward_call(rows, responses, response_lens)
+        total, each = combine(self.rewards, call)
+        unscorable = sum(math.isnan(t) for t in total)
+        if unscorable:
+            log.warning("%d of %d completions: no reward applies (every reward function returned "
+                        "None); they are kept out of their groups' baselines (advantage 0)",
+                        unscorable, len(total))
+        if record:
+            texts = [c if isinstance(c, str) else c[-1]["content"] for c in call.completions]
+            self.reward_log.append({
+                "step": call.trainer_state.global_step, "prompts": call.prompts,
+                "completions": texts, "rewards": each, "total": total, "extra": call.extra,
+                "metrics": call.metrics, "unscorable": unscorable})
         return total
+
+    def drain_reward_log(self) -> list[dict[str, Any]]:
+        """The score calls recorded since the last drain (and forget them)."""
+        out, self.reward_log = self.reward_log, []
+        return out
 
     def feedback(self, scores: torch.Tensor) -> list[list[int]]:
         return [list(self.feedback_ids[int(s >= CORRECT)]) for s in scores.tolist()]
@@ -263,7 +313,10 @@ class PromptTask:
         lens = torch.tensor([len(a) for a in answers])
         padded = torch.nn.utils.rnn.pad_sequence(
             [torch.tensor(a if a else [self.pad_token_id]) for a in answers], batch_first=True)
-        rewards = self.reward_rows(self.eval_rows, padded, lens)
+        rewards = [r for r in self.reward_rows(self.eval_rows, padded, lens, record=False)
+                   if not math.isnan(r)]  # unscorable rows are neither right nor wrong
+        if not rewards:
+            return {}
         return {"reward": sum(rewards) / len(rewards),
                 "accuracy": sum(r >= CORRECT for r in rewards) / len(rewards)}
 
@@ -299,5 +352,5 @@ class TaskState(Callback):
         self.task.load_state_dict(state_dict)
 
 
-__all__ = ["FORMATS", "PromptTask", "TaskState", "load_rows", "load_tokenizer", "prompt_text",
-           "render"]
+__all__ = ["FORMATS", "PromptTask", "TaskState", "is_conversational", "load_rows", "load_tokenizer",
+           "prompt_text", "render"]

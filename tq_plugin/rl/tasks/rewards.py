@@ -1,86 +1,210 @@
-"""Reward functions for ``task=prompts``: TRL's contract, checked on every call.
+"""Reward functions for ``task=prompts``: TRL's contract (``GRPOTrainer``'s reward call), checked
+on every call.
 
-A reward function is any importable callable ``f(prompts, completions, **columns) -> list[float]``
-(``prompts``, ``completions``: one string per rollout; ``columns``: the dataset's other columns,
-one value per rollout, e.g. ``answer``), named by ``task.reward._target_`` (several:
-``task.rewards.<name>._target_``, each with a ``weight``; a rollout's reward is the weighted sum).
-A function that takes no ``**kwargs`` gets only the columns it names.
+A reward function is any importable callable, named by ``task.reward._target_`` (several:
+``task.rewards.<name>._target_``, each with a ``weight``). It is called **by keyword**, as TRL
+calls it:
 
-The contract is checked at every call, and a breach fails the step with a ``RewardError`` naming
-the function: a reward that raises, returns something other than one finite number per rollout,
-never turns into a silent 0 that GRPO would happily train on.
+* ``prompts``: the dataset prompts, one per completion (a string, or for conversational data the
+  message list ``[{"role", "content"}, ...]``);
+* ``completions``: the decoded completions, special tokens skipped (strings, or for
+  conversational data ``[{"role": "assistant", "content": text}]``);
+* ``completion_ids``: each completion's generated token ids (unpadded, the stop token cut off);
+* every other dataset column (``answer``, ``solution``, metadata), one value per completion;
+* ``trainer_state``: :class:`TrainerState` (``global_step``: the RL step; ``max_steps``);
+* ``log_extra(column, values)`` and ``log_metric(name, value)``: extra columns of the sample
+  completions (``completions.jsonl``) and extra per-step figures.
+
+A function that takes ``**kwargs`` gets all of them; one that names only what it needs gets only
+that (a required name nothing supplies is a ``RewardError`` naming it). Coroutine functions (and
+callables returning awaitables) are awaited, several concurrently, after the synchronous ones.
+
+Each returns one value per completion: a finite number, or ``None`` (the reward does not apply
+to that completion; TRL's ``accuracy_reward`` says so for a gold answer that does not parse). A
+completion's reward is the weighted sum of the rewards that apply to it (TRL's nan-sum); one to
+which none applies is *unscorable*: NaN, kept out of its group's baseline, its advantage 0,
+counted in ``rewards/unscorable`` and warned about. Anything else (a raise, a wrong length, a
+non-number, NaN or inf) fails the step with a ``RewardError`` naming the function: never a
+silent 0 that GRPO would happily train on.
+
+Each reward's name (``rewards/<name>/mean`` and ``/std`` in ``metrics.csv`` and the loggers) is
+its ``task.rewards`` key, or for ``task.reward`` the function's ``__name__`` (partials unwrapped,
+an instance's class name), as TRL names it.
 
 The shipped functions: :func:`exact_match` (1.0 when the completion, stripped, equals ``answer``)
 and :func:`token_match` (the fraction of whitespace-separated tokens in the right place, the
-partial credit the ``reverse`` text task trains on).
+partial credit the ``reverse`` text task trains on); both take plain or conversational
+completions.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import inspect
 import math
+import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.utils import get_object
 
 from tq_plugin.config import ConfigError
 
-RewardFn = Callable[..., Sequence[float]]
+RewardFn = Callable[..., Sequence[float | None]]
 
 
 class RewardError(RuntimeError):
-    """A reward function broke its contract (raised, wrong length, non-finite value); the
-    message names the function."""
+    """A reward function broke its contract (raised, wrong length, non-finite value, a required
+    argument nothing supplies); the message names the function."""
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """What a reward function gets as ``trainer_state``: the RL step being generated
+    (``global_step``, 0-based) and the run's ``max_steps`` (``recipe.num_steps``), the fields of
+    transformers' ``TrainerState`` a reward schedule reads."""
+
+    global_step: int = 0
+    max_steps: int = 0
+
+
+@dataclass
+class RewardCall:
+    """One scoring call's inputs and what the functions logged through it."""
+
+    prompts: list[Any]
+    completions: list[Any]
+    completion_ids: list[list[int]]
+    columns: Mapping[str, list[Any]]
+    trainer_state: TrainerState = field(default_factory=TrainerState)
+    extra: dict[str, list[Any]] = field(default_factory=dict)
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"prompts": self.prompts, "completions": self.completions,
+                "completion_ids": self.completion_ids, **self.columns,
+                "trainer_state": self.trainer_state, "log_extra": self.log_extra,
+                "log_metric": self.log_metric}
+
+    def log_extra(self, column: str, values: list[Any]) -> None:
+        self.extra[str(column)] = list(values)
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.metrics.setdefault(str(name), []).append(float(value))
+
+
+def _is_async(fn: Any) -> bool:
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None))  # noqa: B004  (an instance with an async __call__)
+
+
+def reward_name(fn: Any) -> str:
+    """TRL's name of a reward function: ``__name__``, partials unwrapped, else the class name."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__name__", None) or type(fn).__name__
 
 
 @dataclass(frozen=True)
 class Reward:
-    """One configured reward: the function, its weight and the columns it is given."""
+    """One configured reward: its name, the function, its weight and the arguments it takes."""
 
     name: str
     fn: RewardFn
     weight: float
-    # None: every column (the function takes **kwargs); else the ones it names.
+    # None: every argument (the function takes **kwargs); else the names it declares.
     accepts: frozenset[str] | None
+    # The declared names without a default: a call that supplies none of them fails by name.
+    required: frozenset[str] = frozenset()
+    is_async: bool = False
 
-    def __call__(self, prompts: list[str], completions: list[str],
-                 columns: Mapping[str, list[Any]]) -> list[float]:
-        kwargs = dict(columns) if self.accepts is None else {
-            k: v for k, v in columns.items() if k in self.accepts}
+    def arguments(self, call: RewardCall) -> dict[str, Any]:
+        supplied = call.kwargs()
+        missing = sorted(self.required - set(supplied))
+        if missing:
+            raise RewardError(f"reward {self.name}: takes {missing}, which nothing supplies (the "
+                              f"arguments: prompts, completions, completion_ids, trainer_state, "
+                              f"log_extra, log_metric and the dataset columns "
+                              f"{sorted(call.columns)})")
+        if self.accepts is None:
+            return supplied
+        return {k: v for k, v in supplied.items() if k in self.accepts}
+
+    def check(self, out: Any, n: int) -> list[float]:
+        """``out`` as floats, ``None`` as NaN; a breach of the contract is a ``RewardError``."""
+        if isinstance(out, (str, bytes)) or not isinstance(out, Sequence) and not hasattr(out, "tolist"):
+            raise RewardError(f"reward {self.name}: must return a list of floats (or None), got "
+                              f"{type(out).__name__}")
+        out = out.tolist() if hasattr(out, "tolist") else list(out)
         try:
-            out = self.fn(prompts, completions, **kwargs)
-        except Exception as exc:
-            raise RewardError(f"reward {self.name}: raised {type(exc).__name__}: {exc}") from exc
-        try:
-            values = [float(v) for v in out]
+            values = [math.nan if v is None else float(v) for v in out]
         except (TypeError, ValueError) as exc:
-            raise RewardError(f"reward {self.name}: must return a list of floats, got "
+            raise RewardError(f"reward {self.name}: must return a list of floats (or None), got "
                               f"{type(out).__name__} ({exc})") from exc
-        if len(values) != len(completions):
-            raise RewardError(f"reward {self.name}: returned {len(values)} values for "
-                              f"{len(completions)} completions")
-        bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
+        if len(values) != n:
+            raise RewardError(f"reward {self.name}: returned {len(values)} values for {n} "
+                              f"completions")
+        bad = [i for i, (v, o) in enumerate(zip(values, out)) if o is not None and not math.isfinite(v)]
         if bad:
             raise RewardError(f"reward {self.name}: non-finite value {values[bad[0]]!r} for "
-                              f"completion {bad[0]} (of {len(bad)} such)")
+                              f"completion {bad[0]} (of {len(bad)} such; return None for a "
+                              f"completion the reward does not apply to)")
         return values
 
+    def __call__(self, call: RewardCall) -> list[float]:
+        """The synchronous call (an async function's result is awaited here, alone)."""
+        try:
+            out = self.fn(**self.arguments(call))
+            if inspect.isawaitable(out):
+                out = _run_coroutines([out])[0]
+        except RewardError:
+            raise
+        except Exception as exc:
+            raise RewardError(f"reward {self.name}: raised {type(exc).__name__}: {exc}") from exc
+        return self.check(out, len(call.completions))
 
-def _accepted(fn: RewardFn) -> frozenset[str] | None:
+
+def _run_coroutines(awaitables: list[Any]) -> list[Any]:
+    """Await ``awaitables`` concurrently and return their results (or exceptions) in order: on
+    this thread's own event loop, or, when one is already running here, on a helper thread's."""
+    async def gather() -> list[Any]:
+        return list(await asyncio.gather(*awaitables, return_exceptions=True))
+
     try:
-        params = inspect.signature(fn).parameters.values()
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(gather())
+    box: list[Any] = []
+    thread = threading.Thread(target=lambda: box.append(asyncio.run(gather())), daemon=True)
+    thread.start()
+    thread.join()
+    return box[0]
+
+
+def _signature(fn: RewardFn) -> tuple[frozenset[str] | None, frozenset[str]]:
+    try:
+        params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
-        return None
+        return None, frozenset()
+    if any(p.kind is inspect.Parameter.POSITIONAL_ONLY for p in params):
+        raise ConfigError(f"reward {reward_name(fn)}: takes positional-only parameters; reward "
+                          f"functions are called by keyword (prompts=, completions=, ...)")
+    keyword = [p for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                inspect.Parameter.KEYWORD_ONLY)]
+    required = frozenset(p.name for p in keyword if p.default is inspect.Parameter.empty)
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return None
-    return frozenset(p.name for p in params)
+        return None, required
+    return frozenset(p.name for p in keyword), required
 
 
-def load_reward(spec: Mapping[str, Any], *, key: str) -> Reward:
+def load_reward(spec: Mapping[str, Any], *, key: str, name: str | None = None) -> Reward:
     """The reward ``spec`` (``{_target_, weight}``, at config key ``key``) names; a target that
-    does not import or is not callable is a ``ConfigError`` naming the key."""
+    does not import or is not callable is a ``ConfigError`` naming the key. ``name``: the
+    reward's name in the metrics (default: the function's)."""
     target = spec.get("_target_")
     if not target:
         raise ConfigError(f"{key}._target_: must name a reward function (module.fn)")
@@ -96,50 +220,96 @@ def load_reward(spec: Mapping[str, Any], *, key: str) -> Reward:
     unknown = sorted(set(spec) - {"_target_", "weight"})
     if unknown:
         raise ConfigError(f"{key}: unknown key(s) {unknown} (a reward has _target_ and weight)")
-    return Reward(name=str(target), fn=fn, weight=weight, accepts=_accepted(fn))
+    try:
+        accepts, required = _signature(fn)
+    except ConfigError as exc:
+        raise ConfigError(f"{key}._target_: {exc}") from exc
+    return Reward(name=name or reward_name(fn), fn=fn, weight=weight, accepts=accepts,
+                  required=required, is_async=_is_async(fn))
 
 
 def load_rewards(reward: Mapping[str, Any] | None,
                  rewards: Mapping[str, Mapping[str, Any]] | None) -> list[Reward]:
-    """``task.reward`` (one) plus ``task.rewards`` (named); at least one is needed."""
+    """``task.reward`` (one) plus ``task.rewards`` (named by their keys); at least one is
+    needed, and names are unique."""
     out = [load_reward(reward, key="task.reward")] if reward and reward.get("_target_") else []
-    out += [load_reward(spec, key=f"task.rewards.{name}") for name, spec in (rewards or {}).items()]
+    out += [load_reward(spec, key=f"task.rewards.{name}", name=str(name))
+            for name, spec in (rewards or {}).items()]
     if not out:
         raise ConfigError("task.reward._target_: task=prompts needs a reward function")
+    names = [r.name for r in out]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"task.rewards: two rewards are named alike ({names}); give "
+                          f"task.reward's function another name, or key it under task.rewards")
     return out
 
 
-def combine(rewards: Sequence[Reward], prompts: list[str], completions: list[str],
-            columns: Mapping[str, list[Any]]) -> tuple[list[float], dict[str, list[float]]]:
-    """``(weighted sum per completion, each reward's own values)``."""
-    total = [0.0] * len(completions)
+def score_all(rewards: Sequence[Reward], call: RewardCall) -> dict[str, list[float]]:
+    """Each reward's values (``None`` as NaN), in ``rewards`` order: the synchronous functions
+    one after another, then the asynchronous ones concurrently."""
     each: dict[str, list[float]] = {}
+    pending: list[tuple[Reward, Any]] = []
     for reward in rewards:
-        values = reward(prompts, completions, columns)
-        each[reward.name] = values
-        total = [t + reward.weight * v for t, v in zip(total, values)]
-    return total, each
+        if not reward.is_async:
+            each[reward.name] = reward(call)
+            continue
+        try:
+            pending.append((reward, reward.fn(**reward.arguments(call))))
+        except RewardError:
+            raise
+        except Exception as exc:
+            raise RewardError(f"reward {reward.name}: raised {type(exc).__name__}: {exc}") from exc
+    results = _run_coroutines([aw for _, aw in pending]) if pending else []
+    for (reward, _), out in zip(pending, results):
+        if isinstance(out, BaseException):
+            raise RewardError(f"reward {reward.name}: raised {type(out).__name__}: {out}") from out
+        each[reward.name] = reward.check(out, len(call.completions))
+    return {r.name: each[r.name] for r in rewards}
 
 
-def exact_match(prompts: list[str], completions: list[str], answer: list[Any],
-                **_: Any) -> list[float]:
+def weighted_nansum(rewards: Sequence[Reward], each: Mapping[str, list[float]]) -> list[float]:
+    """Per completion, ``sum_k w_k r_k`` over the rewards that apply (not NaN); NaN where none
+    does (an unscorable completion)."""
+    n = len(next(iter(each.values()))) if each else 0
+    total = []
+    for i in range(n):
+        applies = [(r.weight, each[r.name][i]) for r in rewards if not math.isnan(each[r.name][i])]
+        total.append(sum(w * v for w, v in applies) if applies else math.nan)
+    return total
+
+
+def combine(rewards: Sequence[Reward], call: RewardCall) -> tuple[list[float], dict[str, list[float]]]:
+    """``(weighted nan-sum per completion, each reward's own values)`` of one call."""
+    each = score_all(rewards, call)
+    return weighted_nansum(rewards, each), each
+
+
+def completion_text(completion: Any) -> str:
+    """A completion's text: the string itself, or a conversational completion's last message's
+    ``content``."""
+    if isinstance(completion, str):
+        return completion
+    return str(completion[-1]["content"])
+
+
+def exact_match(completions: list[Any], answer: list[Any], **_: Any) -> list[float]:
     """1.0 where the completion, stripped, equals the ``answer`` column, else 0.0."""
-    return [float(c.strip() == str(a).strip()) for c, a in zip(completions, answer)]
+    return [float(completion_text(c).strip() == str(a).strip()) for c, a in zip(completions, answer)]
 
 
-def token_match(prompts: list[str], completions: list[str], answer: list[Any],
-                **_: Any) -> list[float]:
+def token_match(completions: list[Any], answer: list[Any], **_: Any) -> list[float]:
     """Per completion: space-separated words equal to ``answer``'s at the same position, over
     the longer of the two (a wrong length counts as misses); 1.0 is an exact match. Split on
     single spaces after stripping the ends, so a run of spaces is an empty word, a miss: a
     policy cannot pad its answer with whitespace tokens for free."""
     out = []
     for completion, target in zip(completions, answer):
-        got, want = completion.strip().split(" "), str(target).strip().split(" ")
+        got, want = completion_text(completion).strip().split(" "), str(target).strip().split(" ")
         hits = sum(g == w for g, w in zip(got, want))
         out.append(hits / max(len(got), len(want), 1))
     return out
 
 
-__all__ = ["Reward", "RewardError", "RewardFn", "combine", "exact_match", "load_reward",
-           "load_rewards", "token_match"]
+__all__ = ["Reward", "RewardCall", "RewardError", "RewardFn", "TrainerState", "combine",
+           "completion_text", "exact_match", "load_reward", "load_rewards", "reward_name",
+           "score_all", "token_match", "weighted_nansum"]
