@@ -7,6 +7,8 @@ action positions are gathered into a dense ``[B, A]`` block, computed on, and sc
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -59,11 +61,39 @@ def gae(
     return adv, (adv + values) * (token_mask > 0)
 
 
-def group_relative(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO: each reward minus its group's mean, over the group's std (rows are group-major)."""
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+def _nanstd(x: torch.Tensor, mean: torch.Tensor, dim: int | None) -> torch.Tensor:
+    """Bessel-corrected std of the non-NaN entries (NaN with fewer than 2)."""
+    valid = ~torch.isnan(x)
+    dev = torch.where(valid, x - mean, torch.zeros_like(x)) ** 2
+    if dim is None:
+        n, total = valid.sum(), dev.sum()
+    else:
+        n, total = valid.sum(dim, keepdim=True), dev.sum(dim, keepdim=True)
+    return torch.where(n > 1, (total / (n - 1).clamp(min=1)).sqrt(), torch.full_like(total, math.nan))
+
+
+def group_relative(rewards: torch.Tensor, group_size: int, eps: float = 1e-6,
+                   scale: str = "group") -> torch.Tensor:
+    """GRPO: each reward minus its group's mean (rows are group-major), divided by
+    ``scale_rewards``' std: its group's (``group``, the GRPO paper's), the whole batch's
+    (``batch``, Liu et al.'s and TRL's ``scale_rewards="batch"``) or none (``none``: Dr. GRPO).
+
+    NaN rewards (no reward function applied, TRL's unscorable completions) are kept out of the
+    means and stds (Bessel's n-1) and get advantage 0, as does a group with fewer than 2 valid
+    rewards under ``group``."""
+    if scale not in SCALE_REWARDS:
+        raise ValueError(f"group_relative: scale must be one of {SCALE_REWARDS}, got {scale!r}")
     grouped = rewards.view(-1, group_size)
-    centred = grouped - grouped.mean(dim=1, keepdim=True)
-    return (centred / (grouped.std(dim=1, keepdim=True) + eps)).view(-1)
+    mean = torch.nanmean(grouped, dim=1, keepdim=True)
+    centred = grouped - mean
+    if scale == "group":
+        centred = centred / (_nanstd(grouped, mean, dim=1) + eps)
+    elif scale == "batch":
+        centred = centred / (_nanstd(rewards, torch.nanmean(rewards), dim=None) + eps)
+    return torch.nan_to_num(centred, nan=0.0).view(-1)
 
 
 def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -78,20 +108,21 @@ def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-6) -> torch
 def compute_advantages(algorithm: str, *, mask: torch.Tensor, total_reward: torch.Tensor,
                        turn_rewards: torch.Tensor | None = None,
                        values: torch.Tensor | None = None, group_size: int = 1,
-                       gamma: float = 1.0, lam: float = 1.0,
+                       gamma: float = 1.0, lam: float = 1.0, scale_rewards: str = "group",
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(advantages, returns)`` of a step: the one dispatch both step sources use.
 
     ``mask`` is the ``[B, S]`` action mask (token mask times sample mask). ``ppo``: per-turn
     rewards (``turn_rewards [B, turns]``) at each turn's last action token, GAE over the value
     model's ``values`` and whitened advantages, with the returns. ``grpo``: each row's
-    ``total_reward [B]`` against its group's (:func:`group_relative`) on every action token,
-    no returns."""
+    ``total_reward [B]`` against its group's (:func:`group_relative`, scaled by
+    ``scale_rewards``) on every action token, no returns."""
     if algorithm == "ppo":
         if turn_rewards is None or values is None:
             raise ValueError("compute_advantages: ppo needs turn_rewards and values")
         adv, returns = gae(turn_end_rewards(mask, turn_rewards), values, mask, gamma=gamma, lam=lam)
         return whiten(adv, mask), returns
     if algorithm == "grpo":
-        return group_relative(total_reward, group_size).unsqueeze(1) * mask, None
+        adv = group_relative(total_reward, group_size, scale=scale_rewards)
+        return adv.unsqueeze(1) * mask, None
     raise ValueError(f"compute_advantages: algorithm must be ppo or grpo, got {algorithm!r}")

@@ -1,39 +1,222 @@
 """The policy and value losses, as pure functions of tensors.
 
-The loss of one action token with ratio ``r = pi / pi_old`` and advantage ``A`` is
-``-w * min(r A, clip(r, 1 - clip_eps, 1 + clip_eps) A)`` (:func:`clipped_policy_loss`); PPO adds
-``vf_coef`` times the clipped value loss ``0.5 * max((V - R)^2, (V_old + clip(V - V_old,
-±value_clip_eps) - R)^2)`` (:func:`clipped_value_loss`) and subtracts ``entropy_coef`` times the
-entropy. ``w`` is the importance-sampling correction (``recipe.is_correction``,
-:func:`is_correction_weights`) of tokens another policy generated: the disaggregated workers'
-older weights, or an engine's other kernels; it is 1 elsewhere.
+The policy loss family (``recipe.loss_type``, TRL's names and semantics; ``docs/losses.md`` has
+the table with each anchor's formula). With ``r`` the importance ratio ``pi / pi_old`` of a token
+(``recipe.importance_sampling_level=token``) or of its sequence (``sequence``: GSPO's
+length-normalised ``exp(mean_t (log pi - log pi_old))``, differentiable, broadcast over the
+sequence's tokens), ``A`` the advantage and ``w`` the importance-sampling correction
+(``recipe.is_correction``, :func:`is_correction_weights`; 1 where the rows are on-policy):
+
+* ``grpo``, ``dr_grpo``, ``dapo``, ``bnpo``: the PPO-clip term
+  ``L = -w min(r A, clip(r, 1 - eps, 1 + eps_high) A)`` (:func:`clipped_policy_loss`;
+  ``eps_high`` is ``recipe.clip_eps_high``, DAPO's clip-higher, ``eps`` when unset);
+* ``cispo``: ``L = -w sg(min(r, cap)) A log pi`` (:func:`cispo_policy_loss`: the clipped
+  importance weight, stop-gradient, times the REINFORCE term; ``cap`` is
+  ``recipe.cispo_cap``, an absolute cap on ``r``).
+
+They differ in what the token terms are summed over and divided by (:func:`aggregate_loss`;
+:func:`loss_normalizer` computes each type's global normaliser when a step is prepared, so the
+update does not depend on how the rows were cut into microbatches):
+
+* ``grpo``: each sequence's token mean, then the mean over the global batch's sequences;
+* ``dr_grpo``: the token sum over (global batch sequences x max completion tokens);
+* ``dapo``, ``cispo``: the token sum over the global batch's action tokens;
+* ``bnpo``: each microbatch's token mean, over the microbatches of its global batch (TRL's
+  local-batch normalisation: it depends on the microbatch cut, as TRL's on the device batch).
+
+``recipe.beta > 0`` adds ``beta * KL`` per token (:func:`kl_penalty`, ``k1``/``k2``/``k3``
+against the frozen reference policy) before the aggregation, as TRL does. PPO adds ``vf_coef``
+times the clipped value loss ``0.5 * max((V - R)^2, (V_old + clip(V - V_old, ±value_clip_eps) -
+R)^2)`` (:func:`clipped_value_loss`) and subtracts ``entropy_coef`` times the entropy.
 
 Every function returns per-token terms (zero off the mask where it matters); the caller sums
-them over the action tokens and divides by the step's normalizer, so the update does not depend
-on how the rows were cut into microbatches.
+them over the action tokens and divides by the step's normalizer.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+KL_ESTIMATORS = ("k1", "k2", "k3")
 
+PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+
+
+def register_policy_loss(*names: str) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Register a per-token policy loss under ``names`` (``recipe.loss_type`` values), as verl's
+    ``register_policy_loss``: ``fn(logprobs, old_logprobs, advantages, mask, **options) ->
+    (loss, parts)``."""
+    def register(fn: PolicyLoss) -> PolicyLoss:
+        for name in names:
+            POLICY_LOSSES[name] = fn
+        return fn
+    return register
+
+
+def _row_sequence_ids(mask: torch.Tensor, sequence_ids: torch.Tensor | None) -> torch.Tensor:
+    """Each token's sequence: ``sequence_ids`` (a packed row's ``segment_ids``), else its row."""
+    if sequence_ids is not None:
+        return sequence_ids.reshape(mask.shape).long()
+    return torch.arange(mask.shape[0], device=mask.device).unsqueeze(1).expand_as(mask)
+
+
+def sequence_token_counts(mask: torch.Tensor, sequence_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Per token: how many action tokens (``mask > 0``) its sequence has (0 on a sequence with
+    none)."""
+    ones = (mask > 0).to(torch.float32)
+    return _sequence_sum(ones, _row_sequence_ids(mask, sequence_ids))
+
+
+def _sequence_sum(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    flat = ids.reshape(-1)
+    n = int(flat.max()) + 1 if flat.numel() else 0
+    sums = values.new_zeros(n).index_add(0, flat, values.reshape(-1))
+    return sums[flat].view_as(values)
+
+
+def importance_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor,
+                         *, level: str = "token",
+                         sequence_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """``log r`` per token (0 off the mask): ``token``: ``log pi - log pi_old``; ``sequence``
+    (GSPO, Zheng et al. 2025, eq. 7): the sequence's mean over its action tokens,
+    ``sum_t m (log pi - log pi_old) / max(sum_t m, 1)``, with its gradient, on each of them."""
+    on = mask > 0
+    diff = torch.where(on, logprobs - old_logprobs, torch.zeros_like(logprobs))
+    if level == "token":
+        return diff
+    if level != "sequence":
+        raise ValueError(f"importance_log_ratio: level must be one of "
+                         f"{IMPORTANCE_SAMPLING_LEVELS}, got {level!r}")
+    seq = _sequence_mean(diff, on, _row_sequence_ids(mask, sequence_ids))
+    return torch.where(on, seq, torch.zeros_like(diff))
+
+
+@register_policy_loss("grpo", "dr_grpo", "dapo", "bnpo")
 def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor,
                         advantages: torch.Tensor, mask: torch.Tensor, *, clip_eps: float,
-                        weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token PPO-clip terms ``-w min(r A, clip(r) A)`` and their diagnostics.
+                        clip_eps_high: float | None = None, weights: torch.Tensor | None = None,
+                        level: str = "token", sequence_ids: torch.Tensor | None = None,
+                        **_: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token PPO-clip terms ``-w min(r A, clip(r, 1 - eps, 1 + eps_high) A)`` and their
+    diagnostics (Schulman et al. 2017 eq. 7; clip-higher: DAPO, Yu et al. 2025 eq. 10).
 
-    Returns ``(loss, parts)``; ``parts``: ``ratio``, ``log_ratio`` (0 off the mask) and
-    ``clipped`` (True on the tokens whose ratio the clamp changed)."""
-    log_ratio = torch.where(mask > 0, logprobs - old_logprobs, torch.zeros_like(logprobs))
+    Returns ``(loss, parts)``; ``parts``: ``ratio``, ``log_ratio`` (0 off the mask),
+    ``clipped`` (True on the tokens whose ratio the clamp changed), ``clip_low`` (``r < 1 - eps``
+    with ``A < 0``: the clip took the gradient) and ``clip_high`` (``r > 1 + eps_high``, ``A > 0``)."""
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    log_ratio = importance_log_ratio(logprobs, old_logprobs, mask, level=level,
+                                     sequence_ids=sequence_ids)
     ratio = log_ratio.exp()
-    clamped = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
+    clamped = ratio.clamp(1.0 - clip_eps, 1.0 + high)
     loss = -torch.minimum(ratio * advantages, clamped * advantages)
     if weights is not None:
         loss = loss * weights
-    return loss, {"ratio": ratio, "log_ratio": log_ratio, "clipped": clamped != ratio}
+    with torch.no_grad():
+        on = mask > 0
+        clip_low = on & (ratio < 1.0 - clip_eps) & (advantages < 0)
+        clip_high = on & (ratio > 1.0 + high) & (advantages > 0)
+    return loss, {"ratio": ratio, "log_ratio": log_ratio, "clipped": clamped != ratio,
+                  "clip_low": clip_low, "clip_high": clip_high}
+
+
+@register_policy_loss("cispo")
+def cispo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+                      advantages: torch.Tensor, mask: torch.Tensor, *, cispo_cap: float,
+                      weights: torch.Tensor | None = None, level: str = "token",
+                      sequence_ids: torch.Tensor | None = None,
+                      **_: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token CISPO terms ``-w sg(min(r, cap)) A log pi`` (MiniMax-M1, 2025, eq. 4 with no
+    lower clip): every token keeps a gradient, its importance weight is clipped and detached.
+
+    ``cap`` is an absolute cap on ``r`` (TRL's ``epsilon_high`` under ``loss_type="cispo"``,
+    whose unset default 0.2 would weight every on-policy token by 0.2: hence ``>= 1``).
+    ``parts`` as :func:`clipped_policy_loss`'s; ``clipped``/``clip_high``: ``r > cap``."""
+    if cispo_cap < 1.0:
+        raise ValueError(f"cispo_policy_loss: cispo_cap must be >= 1.0, got {cispo_cap}")
+    log_ratio = importance_log_ratio(logprobs, old_logprobs, mask, level=level,
+                                     sequence_ids=sequence_ids)
+    ratio = log_ratio.exp()
+    weight = ratio.clamp(max=cispo_cap).detach()
+    loss = -weight * advantages * logprobs
+    if weights is not None:
+        loss = loss * weights
+    with torch.no_grad():
+        capped = (mask > 0) & (ratio > cispo_cap)
+    return loss, {"ratio": ratio, "log_ratio": log_ratio, "clipped": capped,
+                  "clip_low": torch.zeros_like(capped), "clip_high": capped & (advantages > 0)}
+
+
+def policy_loss(loss_type: str, logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+                advantages: torch.Tensor, mask: torch.Tensor,
+                **options: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The per-token terms of ``loss_type`` (:data:`POLICY_LOSSES`)."""
+    try:
+        fn = POLICY_LOSSES[loss_type]
+    except KeyError:
+        raise ValueError(f"policy_loss: loss_type must be one of {sorted(POLICY_LOSSES)}, got "
+                         f"{loss_type!r}") from None
+    return fn(logprobs, old_logprobs, advantages, mask, **options)
+
+
+def loss_normalizer(loss_type: str, *, action_tokens: int, sequences: int, minibatches: int,
+                    max_completion_tokens: int) -> float:
+    """One global batch's normaliser of ``loss_type`` from the step's totals (every rank's rows):
+    ``grpo``: its sequences; ``dr_grpo``: its sequences x ``max_completion_tokens`` (Dr. GRPO's
+    constant); ``dapo``, ``cispo``: its action tokens; ``bnpo``: its action tokens too (not used:
+    its normaliser is each microbatch's own, :func:`aggregate_loss`)."""
+    if minibatches < 1:
+        raise ValueError(f"loss_normalizer: minibatches must be >= 1, got {minibatches}")
+    per_batch_sequences = sequences / minibatches
+    if loss_type == "grpo":
+        return max(1.0, per_batch_sequences)
+    if loss_type == "dr_grpo":
+        if max_completion_tokens < 1:
+            raise ValueError(f"loss_normalizer: max_completion_tokens must be >= 1, got "
+                             f"{max_completion_tokens}")
+        return max(1.0, per_batch_sequences * max_completion_tokens)
+    if loss_type in ("dapo", "cispo", "bnpo"):
+        return float(max(1, action_tokens // minibatches))
+    raise ValueError(f"loss_normalizer: loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+
+
+def aggregate_loss(loss_type: str, terms: torch.Tensor, mask: torch.Tensor, *, norm: float,
+                   microbatches: int = 1, sequence_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """One microbatch's share of its global batch's loss from per-token ``terms``.
+
+    ``norm``: :func:`loss_normalizer`'s value (per rank); ``microbatches``: how many microbatches
+    the global batch has (``bnpo``). Summed over a global batch's microbatches this is the
+    type's loss of the whole global batch."""
+    m = (mask > 0).to(terms.dtype)
+    if loss_type == "grpo":
+        counts = sequence_token_counts(mask, sequence_ids).clamp(min=1.0)
+        return (terms * m / counts).sum() / norm
+    if loss_type == "bnpo":
+        return (terms * m).sum() / m.sum().clamp(min=1.0) / max(1, microbatches)
+    if loss_type in ("dr_grpo", "dapo", "cispo"):
+        return (terms * m).sum() / norm
+    raise ValueError(f"aggregate_loss: loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of ``KL(pi || pi_ref)`` from samples of ``pi`` (Schulman 2020,
+    "Approximating KL divergence"), with ``d = log pi_ref - log pi``: ``k1 = -d``,
+    ``k2 = d^2 / 2``, ``k3 = exp(d) - d - 1`` (TRL's and verl's ``low_var_kl`` default;
+    non-negative)."""
+    d = ref_logprobs - logprobs
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return 0.5 * d * d
+    if estimator == "k3":
+        return d.exp() - d - 1.0
+    raise ValueError(f"kl_penalty: estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
 
 
 def approx_kl(ratio: torch.Tensor, log_ratio: torch.Tensor) -> torch.Tensor:
@@ -69,12 +252,9 @@ def truncated_is_weights(prev_logprobs: torch.Tensor, generation_logprobs: torch
 def _sequence_mean(values: torch.Tensor, mask: torch.Tensor,
                    sequence_ids: torch.Tensor) -> torch.Tensor:
     """Each token's sequence mean of ``values`` over the sequence's masked tokens."""
-    ids = sequence_ids.reshape(-1).long()
-    n = int(ids.max()) + 1 if ids.numel() else 0
-    m = mask.reshape(-1).to(values.dtype)
-    sums = values.new_zeros(n).index_add_(0, ids, values.reshape(-1) * m)
-    counts = values.new_zeros(n).index_add_(0, ids, m)
-    return (sums / counts.clamp(min=1.0))[ids].view_as(values)
+    ids = sequence_ids.reshape(values.shape).long()
+    m = mask.to(values.dtype)
+    return _sequence_sum(values * m, ids) / _sequence_sum(m, ids).clamp(min=1.0)
 
 
 def is_correction_weights(prev_logprobs: torch.Tensor, generation_logprobs: torch.Tensor,
@@ -110,9 +290,7 @@ def is_correction_weights(prev_logprobs: torch.Tensor, generation_logprobs: torc
         keep = (log_ratio >= log_low) & (log_ratio <= log_high)
         weights = log_ratio.clamp(max=log_high).exp()
     elif mode == "seq_mask_tis":
-        if sequence_ids is None:
-            sequence_ids = torch.arange(mask.shape[0], device=mask.device).unsqueeze(1).expand_as(mask)
-        seq = _sequence_mean(log_ratio, on, sequence_ids)
+        seq = _sequence_mean(log_ratio, on, _row_sequence_ids(mask, sequence_ids))
         keep = (seq >= log_low) & (seq <= log_high)
         weights = truncated_is_weights(prev_logprobs, generation_logprobs, mask, cap)
     else:
@@ -122,5 +300,8 @@ def is_correction_weights(prev_logprobs: torch.Tensor, generation_logprobs: torc
     return torch.where(masked, torch.zeros_like(weights), torch.where(on, weights, ones)), masked
 
 
-__all__ = ["approx_kl", "clipped_policy_loss", "clipped_value_loss", "is_correction_weights",
+__all__ = ["IMPORTANCE_SAMPLING_LEVELS", "KL_ESTIMATORS", "LOSS_TYPES", "POLICY_LOSSES",
+           "aggregate_loss", "approx_kl", "cispo_policy_loss", "clipped_policy_loss",
+           "clipped_value_loss", "importance_log_ratio", "is_correction_weights", "kl_penalty",
+           "loss_normalizer", "policy_loss", "register_policy_loss", "sequence_token_counts",
            "truncated_is_weights"]
