@@ -36,6 +36,7 @@ from tq_plugin.lightning import MICROBATCH_INFO
 from tq_plugin.rl.algorithms.losses import truncated_is_weights
 from tq_plugin.rl.recipe import RLRecipe
 from tq_plugin.rl.topology.collector import ChunkCollector
+from tq_plugin.rl.topology.disaggregated import PROMPT_GROUPS_FILE
 from tq_plugin.rl.topology.exchange import (
     CALLS_TAG,
     FAILED_TAG,
@@ -579,3 +580,27 @@ def test_rows_an_earlier_run_left_in_the_exchange_are_dropped_at_start():
     collector.register()
     assert shared.list_sample_ids(ROLLOUTS_PARTITION) == []
     collector.register()  # idempotent on a clean exchange
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.usefixtures("_clean_hydra")
+def test_prompts_task_runs_disaggregated(tmp_path, ray_session):
+    """task=prompts with workers: each worker builds the task from the config (the one builder,
+    no task constants in the worker) and seeks its ticket's slot of the prompt stream."""
+    from tq_plugin.rl.tasks.tiny_text import make_tiny_model
+
+    data = tmp_path / "data"
+    model = make_tiny_model(data, train_rows=64, eval_rows=8)
+    run = tmp_path / "run"
+    recipe, result, rows, _ = _run(
+        run, "task=prompts", f"task.path={data / 'train.jsonl'}",
+        "task.reward._target_=tq_plugin.rl.tasks.rewards.token_match", "model=hf_causal_lm",
+        f"model.pretrained_path={model}", "recipe.rollout_workers=2", "recipe.num_steps=3",
+        "recipe.prompts_per_step=4")
+    assert result["status"] == "ok" and result["steps"] == 3 and result["workers_lost"] == 0
+    assert [int(r["step"]) for r in rows] == [0, 1, 2]
+    assert all(int(r["staleness_max"]) <= 1 for r in rows)
+    groups = [json.loads(line)["prompt_groups"]
+              for line in (run / PROMPT_GROUPS_FILE).read_text().splitlines()]
+    assert groups == [list(range(4 * s, 4 * s + 4)) for s in range(3)]
