@@ -51,7 +51,7 @@ from tq_plugin.rl.tasks.prompts import TaskState
 from tq_plugin.rl.topology.build import build_model, build_task, engine_config
 from tq_plugin.rl.topology.colocated import Colocated, RolloutStream
 from tq_plugin.rl.topology.disaggregated import AsyncMetricsLog, Disaggregated
-from tq_plugin.rl.training import ranks
+from tq_plugin.rl.training import console, ranks
 from tq_plugin.rl.training.callbacks import PeriodicCheckpoint, RLStepCallback, SigtermStop
 from tq_plugin.rl.training.evaluation import EVAL, EvalLog
 from tq_plugin.rl.training.metrics import RESULT_FILE, MetricsLog
@@ -178,13 +178,17 @@ class RLRecipe:
         # disaggregated, the ledger's prompt-stream slots say which rows come next.
         own = ([TaskState(self.task)]
                if hasattr(self.task, "state_dict") and self.disaggregated is None else [])
+        # The bar in a terminal, one plain line per step elsewhere (console.py): never both.
+        self.terminal = console.is_terminal()
+        bar = bool(self.cfg.trainer.get("enable_progress_bar", True)) and self.terminal
+        console.route_step_lines(terminal=bar)
         callbacks = [self.callback, self.step_callback, self.sigterm, *own, EvalLog(),
+                     console.StepLines(self.rc.num_steps),
                      *([self.disaggregated] if self.disaggregated else []), *instantiate_callbacks(
-            self.cfg.get("callbacks"),
-            progress_bar=bool(self.cfg.trainer.get("enable_progress_bar", True)))]
+                         self.cfg.get("callbacks"), progress_bar=bar)]
         self.trainer = instantiate(self.cfg.trainer, max_steps=max_steps,
-                                   default_root_dir=str(self.output_dir),
-                                   callbacks=callbacks, logger=self._loggers())
+                                   default_root_dir=str(self.output_dir), callbacks=callbacks,
+                                   logger=self._loggers(), enable_progress_bar=bar)
         self.global_batch = self.rc.prompts_per_step * self.rc.group_size // self.rc.minibatches
         ranks.check_parallel_run(self.trainer, backend=self.cfg.tq.backend,
                                  global_batch=self.global_batch,
@@ -250,6 +254,12 @@ class RLRecipe:
         ``checkpoints/sigterm.ckpt`` and exits with status 143, never 0.
         """
         ckpt_path = self.cfg.get("ckpt_path")
+        if self.trainer.is_global_zero:
+            print(console.banner(
+                run_dir=self.output_dir, recipe=self.rc.algorithm,
+                model=self.cfg.model.get("name", "?"), engine=self.engine_cfg.name,
+                backend=str(self.cfg.tq.backend._target_).rsplit(".", 1)[-1],
+                topology=self.rc.topology, steps=self.rc.num_steps), flush=True)
         try:
             with ranks.exported_address(self.cluster_address):  # the ranks Lightning launches
                 self.trainer.fit(self.module, datamodule=self.datamodule, ckpt_path=ckpt_path)

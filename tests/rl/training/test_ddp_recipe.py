@@ -292,7 +292,7 @@ def test_sigterm_checkpoints_and_exits_non_zero_and_ckpt_path_resumes(tmp_path):
                             env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:
-        _wait_for(out / "tq-train.log", "RL step 1:", proc, timeout=150)
+        _wait_for(out / "tq-train.log", "RL step 1/", proc, timeout=150)  # step 0 done
         proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=120)
     finally:

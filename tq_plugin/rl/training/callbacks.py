@@ -75,7 +75,6 @@ class RLStepCallback(Callback):
             self.step, rewards=rewards, turn_scores=torch.tensor(rl["turn_scores"]),
             rollout_s=rl["rollout_s"], prepare_s=rl["prepare_s"], failed_calls=rl["failed_calls"],
             lp_gap=rl["lp_gap"], dp=client.snapshot() if hasattr(client, "snapshot") else None)
-        _info_rank_zero("RL step %d: reward %.3f", self.step, pl_module.current_reward)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

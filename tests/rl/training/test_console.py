@@ -1,0 +1,67 @@
+"""What a run prints: the banner first, one line per RL step off a terminal, the bar on one."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tq_plugin.rl.training.console import STEP_LOG, StepLines, banner, route_step_lines
+
+
+def test_a_step_line_shows_reward_loss_kl_tokens_and_elapsed():
+    line = StepLines(5).line(2, {"rl/reward": 0.25, "rl/loss": -0.0123, "rl/approx_kl": 3.1e-4,
+                                 "rl/tokens_per_s": 14203.7})
+    head, elapsed = line.rsplit(" | ", 1)
+    assert head == "RL step 3/5 | reward 0.250 | loss -0.0123 | kl 3.10e-04 | tok/s 14204"
+    assert elapsed.endswith(" s")
+
+
+def test_the_reference_kl_is_shown_when_the_loss_has_one_and_missing_figures_are_left_out():
+    line = StepLines(2).line(0, {"rl/reward": 1.0, "rl/approx_kl": 0.5, "rl/kl_ref": 0.01})
+    assert "kl 1.00e-02" in line and "loss" not in line and "tok/s" not in line
+
+
+def test_the_banner_names_the_run_dir_first():
+    text = banner(run_dir="/runs/x", recipe="grpo", model="tiny", engine="hf",
+                  backend="LocalDataPlane", topology="colocated", steps=7)
+    first, second = text.splitlines()
+    assert first == "[tq_plugin] run dir: /runs/x"
+    assert second.endswith("engine hf | backend LocalDataPlane | topology colocated | 7 RL steps")
+
+
+def test_step_lines_stay_off_the_console_in_a_terminal_but_reach_the_log_file(tmp_path):
+    root = logging.getLogger()
+    console, file = logging.StreamHandler(sys.stdout), logging.FileHandler(tmp_path / "run.log")
+    root.addHandler(console), root.addHandler(file)
+    try:
+        route_step_lines(terminal=True)
+        record = logging.LogRecord(STEP_LOG.name, logging.INFO, __file__, 1, "x", None, None)
+        assert not console.filter(record) and file.filter(record)
+        route_step_lines(terminal=True)  # idempotent
+        assert len(console.filters) == 1
+        route_step_lines(terminal=False)
+        assert console.filter(record)
+    finally:
+        root.removeHandler(console), root.removeHandler(file)
+        file.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_run_off_a_terminal_prints_a_banner_and_one_line_per_step(tmp_path):
+    out = tmp_path / "run"
+    exe = Path(sys.executable).with_name("tq-train")
+    proc = subprocess.run([str(exe), "recipe=grpo", "recipe.num_steps=5", f"hydra.run.dir={out}"],
+                          capture_output=True, text=True, timeout=170, stdin=subprocess.DEVNULL,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    assert len(lines) <= 20, "\n".join(lines)
+    assert lines[0] == f"[tq_plugin] run dir: {out}"
+    steps = [line for line in lines if "RL step " in line and " | reward " in line]
+    assert [s.split("RL step ")[1].split(" ")[0] for s in steps] == [f"{i}/5" for i in range(1, 6)]
+    assert not any("it/s" in line for line in lines)  # no progress bar off a terminal

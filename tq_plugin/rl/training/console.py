@@ -1,0 +1,98 @@
+"""What a run prints: a start banner that says where it writes, then one line per RL step.
+
+In a terminal the step progress bar (``StepProgressBar``) is the per-step display; when the
+output is not a terminal (a log file, CI, a pipe) the bar is off and :class:`StepLines`' one
+line per RL step shows instead, never both. The step lines always reach the run's log file
+(``tq-train.log``): in a terminal a filter keeps them off the console handlers only. The final
+summary is the CLI's.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
+
+from tq_plugin.lightning import MICROBATCH_INFO
+
+
+STEP_LOG = logging.getLogger("tq_plugin.steps")
+
+
+class _NotStepLines(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.name != STEP_LOG.name
+
+
+def route_step_lines(*, terminal: bool) -> None:
+    """Step lines go to every handler, except the console's when ``terminal`` (the bar shows
+    the steps there). Idempotent."""
+    for handler in logging.getLogger().handlers:
+        console = isinstance(handler, logging.StreamHandler) and not isinstance(
+            handler, logging.FileHandler)
+        ours = [f for f in handler.filters if isinstance(f, _NotStepLines)]
+        if console and terminal and not ours:
+            handler.addFilter(_NotStepLines())
+        elif ours and not terminal:
+            for f in ours:
+                handler.removeFilter(f)
+
+
+def is_terminal() -> bool:
+    """Whether the run's progress display goes to a terminal (tqdm writes to stderr)."""
+    return sys.stderr.isatty()
+
+
+def banner(*, run_dir: Any, recipe: str, model: str, engine: str, backend: str, topology: str,
+           steps: int) -> str:
+    """The start banner: the run dir first, then what runs."""
+    return (f"[tq_plugin] run dir: {run_dir}\n"
+            f"[tq_plugin] {recipe} | model {model} | engine {engine} | backend {backend} | "
+            f"topology {topology} | {steps} RL steps")
+
+
+def _figure(metrics: dict[str, Any], key: str) -> float | None:
+    value = metrics.get(key)
+    return None if value is None else float(value)
+
+
+class StepLines(Callback):
+    """One line per RL step on rank 0 (reward, loss, KL, tokens/s, elapsed), at the step's last
+    microbatch, from the figures the module logged for it (``rl/*``)."""
+
+    def __init__(self, num_steps: int) -> None:
+        self.num_steps = num_steps
+        self._t0 = time.perf_counter()
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._t0 = time.perf_counter()
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        info = pl_module.dp_meta.extra_info.get(MICROBATCH_INFO, {})
+        if not info.get("last_in_step") or not trainer.is_global_zero:
+            return
+        STEP_LOG.info(self.line(int(info["step"]), trainer.callback_metrics))
+
+    def line(self, step: int, metrics: dict[str, Any]) -> str:
+        """``RL step 3/5 | reward 0.093 | loss -0.0120 | kl 3.10e-04 | tok/s 14204 | 2.1 s``: the KL
+        to the reference model when the loss has one (``recipe.beta > 0``), else the approximate
+        KL to the rows' policy; a figure the module did not log is left out."""
+        kl = _figure(metrics, "rl/kl_ref")
+        figures = [("reward", _figure(metrics, "rl/reward"), ".3f"),
+                   ("loss", _figure(metrics, "rl/loss"), ".4f"),
+                   ("kl", kl if kl is not None else _figure(metrics, "rl/approx_kl"), ".2e"),
+                   ("tok/s", _figure(metrics, "rl/tokens_per_s"), ".0f")]
+        parts = [f"RL step {step + 1}/{self.num_steps}"]
+        parts += [f"{label} {value:{fmt}}" for label, value, fmt in figures if value is not None]
+        parts.append(f"{time.perf_counter() - self._t0:.1f} s")
+        return " | ".join(parts)
+
+
+__all__ = ["STEP_LOG", "StepLines", "banner", "is_terminal", "route_step_lines"]
