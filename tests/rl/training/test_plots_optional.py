@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import sys
 
-from tq_plugin.rl.training.metrics import plot_reward_curve
+from tq_plugin.rl.training.plots import plot_run
 from tq_plugin.rl.training.sweep_report import write_report
 
 
 def test_no_matplotlib_no_plots_and_no_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises
-    plot_reward_curve([{"step": 0, "reward": 0.5, "reward_last_turn": 0.5}],
-                      tmp_path / "reward_curve.png", title="t")
+    assert plot_run([{"step": 0, "reward": 0.5}], tmp_path / "reward_curve.png", title="t") is None
     assert not (tmp_path / "reward_curve.png").exists()
     job = tmp_path / "sweep" / "0"
     (job / ".hydra").mkdir(parents=True)

@@ -2,7 +2,8 @@
 
 * ``metrics.csv``: one row per RL step (reward, tokens/s, padded-token fraction, data-plane bytes…);
 * ``resolved_config.yaml``: the composed config with interpolations resolved;
-* ``reward_curve.png``: reward per step (with the ``plot`` extra, matplotlib);
+* ``reward_curve.png``: reward (train, eval), loss, KL, entropy and tokens/s per step
+  (``tq_plugin.rl.training.plots``; with the ``plot`` extra, matplotlib);
 * ``result.json``: the run's summary, which the sweep report collects from every job.
 """
 
@@ -23,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from tq_plugin.data_plane import KVBatchMeta
 from tq_plugin.lightning.module import MICROBATCH_INFO
+from tq_plugin.rl.training.plots import plot_run, run_title
 
 RESULT_FILE = "result.json"
 
@@ -295,33 +297,7 @@ class MetricsLog:
                               resolve=True))
         (out / RESULT_FILE).write_text(json.dumps(summary, indent=2))
         if rows:
-            plot_reward_curve(rows, out / "reward_curve.png", title=f"packing={self.packing}")
-
-
-def plot_reward_curve(rows: list[dict[str, Any]], path: Path, *, title: str) -> None:
-    """``reward_curve.png``; skipped with a warning without matplotlib (the ``plot`` extra)."""
-    try:
-        import matplotlib
-    except ImportError:
-        logging.getLogger(__name__).warning(
-            "matplotlib is not installed: no %s (pip install 'tq_plugin[plot]')", path.name)
-        return
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    steps = [r["step"] for r in rows]
-    ax.plot(steps, [r["reward"] for r in rows], label="reward (mean over turns)")
-    ax.plot(steps, [r["reward_last_turn"] for r in rows], alpha=0.6, label="last turn")
-    ax.set_xlabel("RL step")
-    ax.set_ylabel("reward")
-    ax.set_ylim(0, 1)
-    ax.set_title(title)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+            plot_run(rows, out / "reward_curve.png", title=run_title(cfg))
 
 
 def format_summary(summary: dict[str, Any]) -> str:
