@@ -39,14 +39,20 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from omegaconf import DictConfig, open_dict
 
-from tq_plugin.config import PackingConfig, RecipeConfig, validate_config
+from tq_plugin.config import ConfigError, PackingConfig, RecipeConfig, validate_config
 from tq_plugin.config.schema import EngineConfig
 from tq_plugin.data_plane import KVBatchMeta, LocalDataPlane
 from tq_plugin.lightning import MICROBATCH_INFO, DataPlaneCallback, MetaDataModule
 from tq_plugin.lightning.instantiators import instantiate_callbacks, instantiate_loggers
 from tq_plugin.rl.models import fsdp as sharding
 from tq_plugin.rl.models.protocol import check_models
-from tq_plugin.rl.models.weights import hf_backbone, save_final_full_weights, save_final_weights
+from tq_plugin.rl.models.weights import (
+    HF_POLICY_DIR,
+    hf_backbone,
+    save_final_full_weights,
+    save_final_weights,
+    write_hf_checkpoint,
+)
 from tq_plugin.rl.tasks.prompts import TaskState
 from tq_plugin.rl.topology.build import build_model, build_task, engine_config
 from tq_plugin.rl.topology.colocated import Colocated, RolloutStream
@@ -59,6 +65,7 @@ from tq_plugin.rl.training.module import RLModule
 from tq_plugin.rollout import EngineError
 
 log = logging.getLogger(__name__)
+HF_MODEL_TARGET = "tq_plugin.rl.models.hf.HFCausalLM"
 SIGTERM_EXIT = 128 + signal.SIGTERM
 
 
@@ -68,7 +75,7 @@ class RLRecipe:
     def __init__(self, cfg: DictConfig, output_dir: str | Path) -> None:
         typed = validate_config(cfg)
         self.output_dir = Path(output_dir)
-        self.cfg = self._pin_logger_dirs(cfg)
+        self.cfg = self._resolve_model_sizes(self._pin_logger_dirs(cfg))
         self.rc: RecipeConfig = typed["recipe"]
         self.engine_cfg: EngineConfig = typed.get("engine") or engine_config(cfg)
         self.packing: PackingConfig = instantiate(cfg.tq.packing)
@@ -83,6 +90,24 @@ class RLRecipe:
             for node in (cfg.get("logger") or {}).values():
                 if isinstance(node, DictConfig) and "save_dir" in node:
                     node.save_dir = str(self.output_dir)
+        return cfg
+
+    @staticmethod
+    def _resolve_model_sizes(cfg: DictConfig) -> DictConfig:
+        """``model=hf_causal_lm``: the sizes the config leaves unset, from the checkpoint
+        (``model.pretrained_path``) or the group's defaults, written into ``cfg`` (the engines
+        and the rollout workers read ``model.max_seq_len`` there); a contradiction is a
+        ``ConfigError`` naming the key."""
+        model = cfg.get("model")
+        if model is None or model.get("_target_") != HF_MODEL_TARGET:
+            return cfg
+        from tq_plugin.rl.models.hf import DEFAULT_SIZES, resolve_sizes
+
+        sizes = resolve_sizes(model.get("pretrained_path"),
+                              **{k: model.get(k) for k in DEFAULT_SIZES})
+        with open_dict(cfg):
+            for key, value in sizes.items():
+                cfg.model[key] = value
         return cfg
 
     # ------------------------------------------------------------------ setup
@@ -108,14 +133,19 @@ class RLRecipe:
 
     def _after_microbatch(self, meta: KVBatchMeta, stats: dict[str, float]) -> None:
         self.metrics.on_microbatch(meta, stats)
-        self.periodic.save_if_due(self.module.trainer, meta.extra_info[MICROBATCH_INFO])
+        info = meta.extra_info[MICROBATCH_INFO]
+        self.periodic.save_if_due(self.module.trainer, info)
+        finished = int(info["step"]) + 1
+        if self.rc.save_hf_every and info["last_in_step"] and finished % self.rc.save_hf_every == 0:
+            self.save_hf_policy(self.output_dir / "checkpoints" / f"hf-step-{finished:06d}")
         self.sigterm.stop_if_requested(self.module.trainer)
 
     def _setup_models(self) -> None:
         max_len = self.task.max_sequence_length(self.rc.max_new_tokens)
         if max_len > self.cfg.model.max_seq_len:
-            raise ValueError(f"model.max_seq_len={self.cfg.model.max_seq_len} is shorter than the "
-                             f"task's longest episode ({max_len} tokens)")
+            raise ConfigError(f"model.max_seq_len: {self.cfg.model.max_seq_len} is shorter than "
+                              f"the task's longest episode ({max_len} tokens: the longest prompt "
+                              f"and recipe.max_new_tokens per turn)")
         policy = build_model(self.cfg, self.task)
         value = build_model(self.cfg, self.task, value_head=True) if self.rc.algorithm == "ppo" else None
         check_models(policy, value, vocab_size=self.task.vocab_size, layout=self.packing.layout,
@@ -295,6 +325,7 @@ class RLRecipe:
         if sharded and self.rc.save_artifacts and not interrupted:  # every rank joins the gathers
             save_final_full_weights(self.output_dir, policy=self.module.policy,
                                     value=self.module.value, rank=trainer.global_rank)
+            self.save_hf_policy(self.output_dir / HF_POLICY_DIR)
         colocated = self.source if isinstance(self.source, Colocated) else None
         evaluated = None
         if (self.rc.eval_every and not interrupted and colocated is not None
@@ -326,6 +357,17 @@ class RLRecipe:
             if not interrupted and not sharded:
                 save_final_weights(self.output_dir, policy=self.module.policy,
                                    value=self.module.value)
+                self.save_hf_policy(self.output_dir / HF_POLICY_DIR)
+
+    def save_hf_policy(self, directory: Path) -> Path | None:
+        """An HF-format policy as a ``save_pretrained`` directory with the task's tokenizer
+        (``write_hf_checkpoint``; every rank calls it, a sharded policy's ranks join the
+        gathers, rank 0 writes); ``None`` for another model."""
+        if hf_backbone(self.module.policy) is None:
+            return None
+        return write_hf_checkpoint(self.module.policy, directory,
+                                   rank=self.module.trainer.global_rank,
+                                   tokenizer=getattr(self.task, "tokenizer", None))
 
     def _dp_bytes(self) -> int:
         counters = self.callback.client.snapshot() if self.callback.client is not None else None

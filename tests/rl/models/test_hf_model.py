@@ -107,7 +107,7 @@ def test_built_from_the_shipped_config_group():
     model = instantiate(cfg.model, vocab_size=V, value_head=True)
     assert isinstance(model, HFCausalLM)
     assert model.backbone.config.num_hidden_layers == 1
-    assert model.backbone.config.max_position_embeddings == cfg.model.max_seq_len
+    assert model.backbone.config.max_position_embeddings == 64  # the group's default size
 
 
 @pytest.fixture

@@ -39,6 +39,16 @@ def _compose(preset: str, *overrides: str):
         GlobalHydra.instance().clear()
 
 
+def _size(cfg, key: str) -> int:
+    """``model.<key>``, or the HF group's default where the config leaves it null."""
+    value = cfg.model[key]
+    if value is None:
+        from tq_plugin.rl.models.hf import DEFAULT_SIZES
+
+        value = DEFAULT_SIZES[key]
+    return value
+
+
 def _check(model: nn.Module, d: int, heads: int, head_dim: int) -> None:
     projections = _attention_linears(model)
     assert projections, "no attention projection found"
@@ -57,7 +67,7 @@ def _check(model: nn.Module, d: int, heads: int, head_dim: int) -> None:
 @pytest.mark.parametrize("value_head", [False, True])
 def test_each_preset_projects_hidden_size_to_hidden_size(preset, value_head):
     cfg = _compose(preset)
-    d, heads = cfg.model.d_model, cfg.model.n_heads
+    d, heads = _size(cfg, "d_model"), _size(cfg, "n_heads")
     model = instantiate(cfg.model, vocab_size=V, value_head=value_head)
     _check(model, d, heads, d // heads)
     ids = torch.tensor([[1, 2, 3, 4]])
@@ -66,7 +76,7 @@ def test_each_preset_projects_hidden_size_to_hidden_size(preset, value_head):
 
 def test_a_set_head_dim_is_kept():
     cfg = _compose("hf_causal_lm", "model.head_dim=8")
-    _check(instantiate(cfg.model, vocab_size=V), cfg.model.d_model, cfg.model.n_heads, 8)
+    _check(instantiate(cfg.model, vocab_size=V), _size(cfg, "d_model"), _size(cfg, "n_heads"), 8)
 
 
 def test_hf_head_dim_follows_a_resized_model():

@@ -13,6 +13,18 @@ would let a sequence attend to the ones packed before it.
 
 The value model is the same backbone class without its LM head plus a linear head giving one
 value per token, so ``pretrained_path`` initializes both from the same checkpoint.
+
+Sizes (``d_model``, ``n_layers``, ``n_heads``, ``head_dim``, ``max_seq_len``) the config leaves
+unset (``null``) come from the checkpoint's ``config.json`` with ``pretrained_path``, else from
+:data:`DEFAULT_SIZES`; a size set to another value than the checkpoint's is a ``ConfigError``
+naming the key (``max_seq_len`` may be set below the checkpoint's, as a cap on the run's
+episodes). A Hub id in ``pretrained_path`` is refused with the command that downloads it.
+
+``forward(..., score=TokenScoring(...))`` runs the trunk alone and takes the tokens' logprobs
+from its last hidden states and the LM head in chunks (:mod:`tq_plugin.rl.models.logprobs`):
+the ``[B, S, V]`` logits are never built. Models whose logits are not ``hidden @ W.T`` (a logit
+scale or final soft-capping) reduce their full logits instead. ``gradient_checkpointing=True``
+is the transformers model's own (``gradient_checkpointing_enable``); ``dtype`` the weights'.
 """
 
 from __future__ import annotations
@@ -23,7 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tq_plugin.rl.models.protocol import output_bias, scatter_patches
+from tq_plugin.config.schema import ConfigError, check_pretrained_path
+from tq_plugin.rl.models.protocol import TokenScoring, output_bias, scatter_patches, weight_dtype
 
 try:
     import transformers
@@ -33,6 +46,12 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 # Attention kernels that honour a custom 4-D mask on CPU; flash-attention kernels take packed
 # rows through position_ids alone and are not wired here.
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+# The model group's sizes without pretrained_path (null in the config: these).
+DEFAULT_SIZES = {"d_model": 64, "n_layers": 2, "n_heads": 2, "head_dim": None, "max_seq_len": 64}
+# model.<key> -> the transformers config attribute it must equal.
+_CHECKPOINT_KEYS = {"d_model": "hidden_size", "n_layers": "num_hidden_layers",
+                    "n_heads": "num_attention_heads", "head_dim": "head_dim",
+                    "max_seq_len": "max_position_embeddings"}
 _DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop",
                  "summary_first_dropout")
 
@@ -59,6 +78,59 @@ def _config(model_type: str, *, vocab_size: int, d_model: int, n_layers: int, n_
     return cfg
 
 
+def checkpoint_config(pretrained_path: str | Path) -> Any:
+    """The transformers config of a local ``save_pretrained`` directory (checked first: a Hub id
+    gets the download command, a directory without ``config.json`` or safetensors is named)."""
+    check_pretrained_path(str(pretrained_path))
+    path = Path(pretrained_path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model.pretrained_path: {path} holds no config.json "
+                                f"(a local save_pretrained directory is needed)")
+    if not any(path.glob("*.safetensors")):
+        raise FileNotFoundError(f"model.pretrained_path: {path} holds no safetensors "
+                                f"weights (model.safetensors or its shards); pickled "
+                                f".bin weights are refused")
+    return transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+
+
+def checkpoint_sizes(cfg: Any) -> dict[str, int]:
+    """The model group's sizes as a transformers config holds them."""
+    sizes = {key: getattr(cfg, attr, None) for key, attr in _CHECKPOINT_KEYS.items()}
+    if sizes["head_dim"] is None:
+        sizes["head_dim"] = cfg.hidden_size // cfg.num_attention_heads
+    return sizes
+
+
+def resolve_sizes(pretrained_path: str | Path | None, **given: int | None) -> dict[str, int | None]:
+    """The model group's sizes (``given``: the config's, ``None`` where unset), completed from the
+    checkpoint's config (``pretrained_path``) or :data:`DEFAULT_SIZES`. A size that contradicts the
+    checkpoint is a ``ConfigError`` naming ``model.<key>``; ``max_seq_len`` may be lower than the
+    checkpoint's ``max_position_embeddings`` (a cap), never higher."""
+    unknown = sorted(set(given) - set(DEFAULT_SIZES))
+    if unknown:
+        raise ValueError(f"resolve_sizes: unknown size(s) {unknown}")
+    if pretrained_path is None:
+        return {k: given[k] if given.get(k) is not None else v for k, v in DEFAULT_SIZES.items()}
+    ckpt = checkpoint_sizes(checkpoint_config(pretrained_path))
+    out: dict[str, int | None] = {}
+    for key, theirs in ckpt.items():
+        mine = given.get(key)
+        attr = _CHECKPOINT_KEYS[key]
+        if mine is None or mine == theirs:
+            out[key] = theirs
+        elif key == "max_seq_len" and mine < theirs:
+            out[key] = mine
+        elif key == "max_seq_len":
+            raise ConfigError(f"model.max_seq_len={mine} exceeds the checkpoint's {attr} "
+                              f"({theirs}); leave model.max_seq_len unset to take the "
+                              f"checkpoint's")
+        else:
+            raise ConfigError(f"model.{key}={mine} contradicts the checkpoint's {attr}={theirs} "
+                              f"({pretrained_path}/config.json): leave model.{key} unset to take "
+                              f"the checkpoint's")
+    return out
+
+
 def block_causal_mask(segment_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Additive ``[1, 1, T, T]`` mask of a packed ``[1, T]`` row: token ``i`` sees token ``j``
     iff both lie in the same segment and ``j <= i`` (segments are contiguous)."""
@@ -81,16 +153,18 @@ class HFCausalLM(nn.Module):
         model_type: str = "llama",
         pretrained_path: str | None = None,
         attn_implementation: str = "sdpa",
-        d_model: int = 64,
-        n_layers: int = 2,
-        n_heads: int = 4,
-        max_seq_len: int = 64,
+        d_model: int | None = None,
+        n_layers: int | None = None,
+        n_heads: int | None = None,
+        max_seq_len: int | None = None,
         dropout: float = 0.0,
         head_dim: int | None = None,
         value_head: bool = False,
         image_token_id: int | None = None,
         patch_dim: int | None = None,
         output_token_ids: list[int] | None = None,
+        gradient_checkpointing: bool = False,
+        dtype: str = "float32",
         name: str | None = None,
     ) -> None:
         super().__init__()
@@ -98,32 +172,27 @@ class HFCausalLM(nn.Module):
             raise ValueError(f"model.attn_implementation: must be one of "
                              f"{list(ATTN_IMPLEMENTATIONS)}, got {attn_implementation!r}")
         auto = transformers.AutoModel if value_head else transformers.AutoModelForCausalLM
+        torch_dtype = weight_dtype(dtype)
+        # The sizes are checked on the config alone, before any weight is read.
+        sizes = resolve_sizes(pretrained_path, d_model=d_model, n_layers=n_layers,
+                              n_heads=n_heads, head_dim=head_dim, max_seq_len=max_seq_len)
+        self.max_seq_len = sizes["max_seq_len"]
         if pretrained_path is not None:
-            path = Path(pretrained_path)
-            if not (path / "config.json").is_file():
-                raise FileNotFoundError(f"model.pretrained_path: {path} holds no config.json "
-                                        f"(a local save_pretrained directory is needed)")
-            if not any(path.glob("*.safetensors")):
-                raise FileNotFoundError(f"model.pretrained_path: {path} holds no safetensors "
-                                        f"weights (model.safetensors or its shards); pickled "
-                                        f".bin weights are refused")
-            # The sizes are checked on the config alone, before any weight is read.
-            cfg = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+            cfg = checkpoint_config(pretrained_path)
             if cfg.vocab_size < vocab_size:
                 raise ValueError(f"model.pretrained_path: the checkpoint's vocab_size "
                                  f"({cfg.vocab_size}) is smaller than the task's ({vocab_size})")
-            if cfg.max_position_embeddings < max_seq_len:
-                raise ValueError(f"model.max_seq_len={max_seq_len} exceeds the checkpoint's "
-                                 f"max_position_embeddings ({cfg.max_position_embeddings})")
             self.backbone = auto.from_pretrained(
-                str(path), local_files_only=True, use_safetensors=True, dtype=torch.float32,
-                attn_implementation=attn_implementation)
+                str(pretrained_path), local_files_only=True, use_safetensors=True,
+                dtype=torch_dtype, attn_implementation=attn_implementation)
         else:
-            cfg = _config(model_type, vocab_size=vocab_size, d_model=d_model, n_layers=n_layers,
-                          n_heads=n_heads, max_seq_len=max_seq_len, dropout=dropout,
-                          head_dim=head_dim)
+            cfg = _config(model_type, vocab_size=vocab_size, dropout=dropout, **{
+                k: sizes[k] for k in ("d_model", "n_layers", "n_heads", "max_seq_len", "head_dim")})
             cfg._attn_implementation = attn_implementation
-            self.backbone = auto.from_config(cfg, dtype=torch.float32)
+            self.backbone = auto.from_config(cfg, dtype=torch_dtype)
+        if gradient_checkpointing:
+            self.backbone.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
         hidden = cfg.hidden_size
         self.image_token_id = image_token_id
         self.patch = nn.Linear(patch_dim, hidden) if patch_dim else None
@@ -131,6 +200,9 @@ class HFCausalLM(nn.Module):
         if self.head is not None:
             nn.init.normal_(self.head.weight, std=0.02)
             nn.init.zeros_(self.head.bias)
+        for extra in (self.patch, self.head):
+            if extra is not None:
+                extra.to(torch_dtype)
         self.register_buffer("out_bias", output_bias(
             cfg.vocab_size, None if value_head else output_token_ids), persistent=False)
 
@@ -152,8 +224,10 @@ class HFCausalLM(nn.Module):
         segment_ids: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         image_patches: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Logits ``[B, S, V]`` (or values ``[B, S]``) for the next token after each position."""
+        score: TokenScoring | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits ``[B, S, V]`` (or values ``[B, S]``) for the next token after each position;
+        with ``score``: the tokens' ``(logprobs, entropy)`` instead (policy only)."""
         kwargs: dict[str, Any] = {"use_cache": False}
         if self.patch is not None and image_patches is not None and image_patches.numel():
             embeds = self.backbone.get_input_embeddings()(input_ids)
@@ -173,6 +247,8 @@ class HFCausalLM(nn.Module):
             kwargs["attention_mask"] = block_causal_mask(segment_ids, self.backbone.dtype)
         elif position_ids is not None:
             kwargs["position_ids"] = position_ids
+        if score is not None:
+            return self._score(kwargs, input_ids, score)
         out = self.backbone(**kwargs)
         if self.head is not None:
             # A new tensor, not a view of the head's output: an FSDP2 root module's returned
@@ -181,4 +257,26 @@ class HFCausalLM(nn.Module):
         return out.logits + self.out_bias
 
 
-__all__ = ["ATTN_IMPLEMENTATIONS", "HFCausalLM", "block_causal_mask"]
+    def _projection(self) -> nn.Module | None:
+        """The LM head when the logits are ``hidden @ W.T (+ b)``; ``None`` for a model that
+        scales or soft-caps them (its full logits are reduced instead)."""
+        cfg = self.backbone.config
+        if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None) \
+                not in (None, 1, 1.0) or getattr(cfg, "logits_scaling", None) not in (None, 1, 1.0):
+            return None
+        return self.backbone.get_output_embeddings()
+
+    def _score(self, kwargs: dict[str, Any], input_ids: torch.Tensor, score: TokenScoring
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.head is not None:
+            raise ValueError("score= is for the policy: the value model returns values")
+        head = self._projection()
+        if head is None:
+            return score.from_logits(self.backbone(**kwargs).logits + self.out_bias, input_ids)
+        hidden = self.backbone.base_model(**kwargs).last_hidden_state
+        bias = self.out_bias if head.bias is None else head.bias + self.out_bias
+        return score.from_hidden(hidden, input_ids, head.weight, bias)
+
+
+__all__ = ["ATTN_IMPLEMENTATIONS", "DEFAULT_SIZES", "HFCausalLM", "block_causal_mask",
+           "checkpoint_config", "checkpoint_sizes", "resolve_sizes"]

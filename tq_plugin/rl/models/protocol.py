@@ -19,19 +19,36 @@ shift): logits ``[B, S, V]`` with ``V >= vocab_size`` for the policy, values ``[
 value model. A model that drops or shifts a position breaks the column write-back much later,
 far from the cause (``a packed tensor must have 1213 tokens ..., got shape (1, 1212, 19)``);
 :func:`check_model` runs it on a tiny probe at start-up instead and names the rule it breaks.
+
+**Scoring without logits** (optional, for large vocabularies). A policy whose ``forward`` takes
+a ``score`` keyword (a :class:`TokenScoring`) returns, instead of logits, the next-token logprobs
+(and entropy) of the tokens ``input_ids`` holds, ``([B, S], [B, S] | None)``, computed from its
+final hidden states and output projection with :func:`TokenScoring.from_hidden` (memory-bounded:
+only the scored positions are projected, one chunk of ``[chunk, V]`` at a time,
+:mod:`tq_plugin.rl.models.logprobs`). It happens inside ``forward`` so a sharded (FSDP) model's
+projection weights are gathered as for any forward. The trainer's no-grad logprob pass and its
+training step both go through :func:`score_tokens`: that path for such a model, the same chunked
+reduction over the full logits for any other. :func:`check_model` checks that both agree.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from tq_plugin.lightning.layout import LAYOUTS, PackedIndex
+from tq_plugin.rl.models.logprobs import (
+    DEFAULT_CHUNK_TOKENS,
+    shifted_token_logprobs,
+    shifted_token_logprobs_from_logits,
+)
 
 ROLES = ("policy", "value")
+WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Probe sequences: two rows of different lengths, so padding and a segment boundary both occur.
 _PROBE_LENGTHS = (5, 3)
 
@@ -68,6 +85,8 @@ class ModelFactory(Protocol):
 
     ``output_token_ids`` (policy only): the tokens the policy may emit; sampling and training must
     see the same restricted distribution (e.g. a large negative logit bias elsewhere).
+    The ``model`` schema's keys include ``gradient_checkpointing`` (recompute activations in
+    backward) and ``dtype`` (the weights' dtype, :func:`weight_dtype`).
     ``value_head=True`` (value model only): return values ``[B, S]`` instead of logits.
     """
 
@@ -80,6 +99,64 @@ class ModelFactory(Protocol):
         output_token_ids: list[int] | None = None,
         value_head: bool = False,
     ) -> TokenModel: ...
+
+
+@dataclass(frozen=True)
+class TokenScoring:
+    """What ``forward(..., score=TokenScoring(...))`` computes instead of logits: the logprob of
+    each token given the ones before it (``lp[b, t] = log p(ids[b, t] | ids[b, :t])``, 0 at
+    ``t = 0``), under ``softmax(logits / temperature)`` in float32.
+
+    ``mask [B, S]``: the positions that carry a loss (only they are projected; 0 elsewhere;
+    ``None``: every position). ``chunk_tokens``: rows projected at a time
+    (``tq.packing.logprob_chunk_tokens``). ``with_entropy``: also the entropy of the same
+    distribution, a detached metric unless ``entropy_grad`` (the loss uses it)."""
+
+    mask: torch.Tensor | None = None
+    temperature: float = 1.0
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    with_entropy: bool = False
+    entropy_grad: bool = False
+
+    def _options(self) -> dict[str, Any]:
+        return {"mask": self.mask, "chunk_tokens": self.chunk_tokens,
+                "temperature": self.temperature, "with_entropy": self.with_entropy,
+                "entropy_grad": self.entropy_grad}
+
+    def from_hidden(self, hidden: torch.Tensor, input_ids: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """From the final hidden states ``[B, S, H]`` and the output projection
+        (``logits = hidden @ weight.T + bias``)."""
+        return shifted_token_logprobs(hidden, input_ids, weight, bias, **self._options())
+
+    def from_logits(self, logits: torch.Tensor, input_ids: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """From a model's full ``logits [B, S, V]`` (read a chunk of rows at a time)."""
+        return shifted_token_logprobs_from_logits(logits, input_ids, **self._options())
+
+
+def scores_tokens(model: nn.Module) -> bool:
+    """Whether ``model.forward`` takes ``score=`` (:class:`TokenScoring`)."""
+    return "score" in inspect.signature(model.forward).parameters
+
+
+def score_tokens(model: nn.Module, input_ids: torch.Tensor, scoring: TokenScoring,
+                 **inputs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(logprobs [B, S], entropy [B, S] | None)`` of the policy ``model`` on ``input_ids``
+    (``inputs``: the layout's and media's keywords): the one route of the trainer's logprob
+    pass, training step and any recompute. A model that scores tokens itself
+    (:func:`scores_tokens`) never builds the logits; any other's logits are reduced a chunk of
+    rows at a time."""
+    if scores_tokens(model):
+        return model(input_ids, score=scoring, **inputs)
+    return scoring.from_logits(model(input_ids, **inputs), input_ids)
+
+
+def weight_dtype(dtype: str) -> torch.dtype:
+    """``model.dtype``'s torch dtype (the weights'; a ValueError naming the key otherwise)."""
+    if dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"model.dtype: must be one of {list(WEIGHT_DTYPES)}, got {dtype!r}")
+    return WEIGHT_DTYPES[dtype]
 
 
 def output_bias(vocab_size: int, output_token_ids: list[int] | None) -> torch.Tensor:
@@ -148,6 +225,31 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, float]:
     return torch.allclose(a, b, rtol=1e-3, atol=1e-4), float((a - b).abs().max())
 
 
+def _check_scoring(model: nn.Module, ids: torch.Tensor, logits: torch.Tensor) -> None:
+    """``forward(score=...)`` must give the logprobs and entropy of the logits ``forward``
+    returns (the same hidden states and projection)."""
+    try:
+        lp, ent = model(ids, score=TokenScoring(with_entropy=True))
+    except (TypeError, IndexError, RuntimeError, ValueError) as exc:
+        raise ModelInterfaceError(
+            f"model._target_ built {type(model).__qualname__} as the policy model, whose "
+            f"forward(score=TokenScoring(...)) fails on the padded probe: "
+            f"{type(exc).__name__}: {exc}") from exc
+    plain = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    want_lp = plain.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    want_ent = -(plain.exp() * plain).sum(-1)
+    for name, got, want in (("logprobs", lp, want_lp), ("entropy", ent, want_ent)):
+        if got is None or tuple(got.shape) != tuple(ids.shape):
+            _fail(model, "policy", f"forward(score=...) must return (logprobs, entropy) "
+                                   f"[{ids.shape[0]}, {ids.shape[1]}], got {name} "
+                                   f"{None if got is None else tuple(got.shape)}")
+        ok, gap = _close(got[:, 1:].float(), want)
+        if not ok:
+            _fail(model, "policy", f"forward(score=...) must give the {name} of the logits "
+                                   f"forward returns (the same hidden states and output "
+                                   f"projection), but they differ by {gap:.3g}")
+
+
 @torch.no_grad()
 def check_model(
     model: nn.Module,
@@ -161,7 +263,9 @@ def check_model(
     :class:`ModelInterfaceError` naming the broken rule, before any rollout or write.
 
     Checks: the output shape per layout; causality (a later token never changes an earlier
-    output, which generation on a right-padded buffer relies on); under ``layout="packed"``
+    output, which generation on a right-padded buffer relies on); for a policy that scores
+    tokens itself (``forward(score=...)``), that its logprobs and entropy are those of its
+    logits; under ``layout="packed"``
     that a packed row equals its sequences run alone (no attention across segments); under
     media, that forward takes ``image_patches``. The model's train/eval mode is restored.
     """
@@ -189,6 +293,8 @@ def check_model(
         if not ok:
             _fail(model, role, f"it must be causal: changing the last token moved earlier "
                                f"outputs by {gap:.3g}")
+        if role == "policy" and scores_tokens(model):
+            _check_scoring(model, ids, padded)
         if layout == "packed":
             index = PackedIndex(lengths)
             real = torch.arange(ids.shape[1]) < lengths.unsqueeze(1)
@@ -215,5 +321,6 @@ def check_models(policy: nn.Module, value: nn.Module | None, *, vocab_size: int,
         check_model(value, role="value", vocab_size=vocab_size, layout=layout, media=media)
 
 
-__all__ = ["ModelFactory", "ModelInterfaceError", "TokenModel", "check_model", "check_models",
-           "output_bias", "scatter_patches"]
+__all__ = ["ModelFactory", "ModelInterfaceError", "TokenModel", "TokenScoring", "check_model",
+           "check_models", "output_bias", "scatter_patches", "score_tokens", "scores_tokens",
+           "weight_dtype"]

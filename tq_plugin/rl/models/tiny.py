@@ -12,6 +12,11 @@ One forward serves both training layouts the Lightning mixin produces:
 
 Media: positions whose token is ``image_token_id`` take their embedding from the row's staged
 pixel patches (one patch per placeholder, in order), so the model conditions on the pixels.
+
+``forward(..., score=TokenScoring(...))`` (:mod:`tq_plugin.rl.models.protocol`) returns the
+tokens' logprobs (and entropy) from the final hidden states and the head, never the logits.
+``gradient_checkpointing=True`` recomputes each block in backward (``torch.utils.checkpoint``)
+instead of keeping its activations; ``dtype`` is the weights' dtype.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from tq_plugin.rl.models.protocol import TokenScoring, weight_dtype
 
 
 class _Block(nn.Module):
@@ -68,10 +76,13 @@ class TinyTransformer(nn.Module):
         image_token_id: int | None = None,
         patch_dim: int | None = None,
         output_token_ids: list[int] | None = None,
+        gradient_checkpointing: bool = False,
+        dtype: str = "float32",
         name: str | None = None,
     ) -> None:
         super().__init__()
         self.vocab_size = vocab_size
+        self.gradient_checkpointing = gradient_checkpointing
         self.max_seq_len = max_seq_len
         self.image_token_id = image_token_id
         self.tok = nn.Embedding(vocab_size, d_model)
@@ -88,6 +99,7 @@ class TinyTransformer(nn.Module):
             bias[torch.tensor(output_token_ids)] = 0.0
         self.register_buffer("out_bias", bias, persistent=False)
         self.apply(self._init)
+        self.to(weight_dtype(dtype))
 
     @staticmethod
     def _init(m: nn.Module) -> None:
@@ -103,8 +115,10 @@ class TinyTransformer(nn.Module):
         position_ids: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
         image_patches: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Logits ``[B, S, V]`` (or values ``[B, S]``) for the next token after each position."""
+        score: TokenScoring | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits ``[B, S, V]`` (or values ``[B, S]``) for the next token after each position;
+        with ``score``: the tokens' ``(logprobs, entropy)`` instead (policy only)."""
         b, s = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
@@ -125,8 +139,17 @@ class TinyTransformer(nn.Module):
             longest = int(position_ids.max()) + 1
             unpack = ((segment_ids[0] * longest + position_ids[0]), segments, longest)
         for block in self.blocks:
-            x = block(x, unpack)
-        out = self.head(self.ln_f(x))
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(block, x, unpack, use_reentrant=False)
+            else:
+                x = block(x, unpack)
+        hidden = self.ln_f(x)
+        if score is not None:
+            if self.head.out_features == 1:
+                raise ValueError("score= is for the policy: the value model returns values")
+            return score.from_hidden(hidden, input_ids, self.head.weight,
+                                     self.head.bias + self.out_bias)
+        out = self.head(hidden)
         return out.squeeze(-1) if out.shape[-1] == 1 else out + self.out_bias
 
 

@@ -5,12 +5,21 @@ and what a rollout engine is given of the policy (its HF checkpoint, its named w
 stored once), with the model class and role in the header metadata. Each file is written beside
 its final name and renamed over it, so a reader sees the old file or the whole new one, never a
 partial write. Loading never unpickles: safetensors holds raw tensors only.
+
+An HF-format policy (``model=hf_causal_lm``) is also written as a ``save_pretrained`` directory
+by :func:`write_hf_checkpoint`, the one writer of HF directories: the engines' starting
+checkpoint (``engine_init/``) and the trained policy (``hf_policy/``: config, safetensors,
+tokenizer, generation config), which ``AutoModelForCausalLM.from_pretrained`` and ``vllm.LLM``
+load as it is. A sharded (FSDP2) policy's full tensors are gathered for it as for the weight
+files.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +33,8 @@ from tq_plugin.rollout.engine import StreamedWeights
 
 POLICY_WEIGHTS = "policy.safetensors"
 VALUE_WEIGHTS = "value.safetensors"
+HF_POLICY_DIR = "hf_policy"
+GENERATION_CONFIG = "generation_config.json"
 
 
 def save_weights(model: nn.Module, path: str | Path, *, role: str) -> Path:
@@ -102,14 +113,27 @@ def hf_backbone(policy: nn.Module) -> nn.Module | None:
     return backbone if hasattr(backbone, "save_pretrained") else None
 
 
-def write_engine_checkpoint(policy: nn.Module, directory: str | Path, *, rank: int = 0,
-                            barrier: Callable[[], None] | None = None) -> Path:
-    """Save the policy's transformers model as an HF checkpoint (config + safetensors) that the
-    ``hf`` and ``vllm`` engines start from. The policy's output restriction is not in it: the
-    engines apply it from the sampling parameters.
+def _generation_ids(directory: Path, tokenizer) -> None:
+    """The tokenizer's EOS / pad / BOS ids in ``directory``'s generation config where it has
+    none (a random-init model's config may not name them)."""
+    path = directory / GENERATION_CONFIG
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
+        if config.get(key) is None and getattr(tokenizer, key, None) is not None:
+            config[key] = int(getattr(tokenizer, key))
+    path.write_text(json.dumps(config, indent=2) + "\n")
 
-    Several ranks (``rank``; ``barrier``: when every rank builds an engine from the one
-    ``directory``): rank 0 writes (as transformers' ``save_pretrained`` does under
+
+def write_hf_checkpoint(policy: nn.Module, directory: str | Path, *, rank: int = 0,
+                        barrier: Callable[[], None] | None = None, tokenizer=None) -> Path:
+    """Save the policy's transformers model as a ``save_pretrained`` directory (config,
+    safetensors, generation config; with ``tokenizer``, its files and its EOS / pad ids in the
+    generation config where the model's name none). The policy's output restriction
+    (``output_token_ids``) is not in it: the engines apply it from the sampling parameters.
+
+    Written beside ``directory`` and renamed over it: a reader sees the old directory or the
+    whole new one. Several ranks (``rank``; ``barrier``: when every rank reads the one
+    ``directory`` afterwards): rank 0 writes (as transformers' ``save_pretrained`` does under
     ``torch.distributed``), the others wait at ``barrier``. A sharded (FSDP2) policy's full
     tensors are gathered first, a bounded bucket at a time, every rank joining each gather
     (``sharding.full_state_dict``: rank 0 keeps them)."""
@@ -119,11 +143,25 @@ def write_engine_checkpoint(policy: nn.Module, directory: str | Path, *, rank: i
     directory = Path(directory)
     state = sharding.full_state_dict(backbone, rank=rank) if sharding.is_sharded(backbone) else None
     if rank == 0:
-        backbone.save_pretrained(str(directory), state_dict=state)
+        tmp = directory.with_name(f".{directory.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        backbone.save_pretrained(str(tmp), state_dict=state)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+            _generation_ids(tmp, tokenizer)
+        if directory.exists():
+            shutil.rmtree(directory)
+        os.replace(tmp, directory)
     del state
     if barrier is not None:
         barrier()
     return directory
+
+
+def write_engine_checkpoint(policy: nn.Module, directory: str | Path, *, rank: int = 0,
+                            barrier: Callable[[], None] | None = None) -> Path:
+    """The HF checkpoint the ``hf`` and ``vllm`` engines start from (:func:`write_hf_checkpoint`)."""
+    return write_hf_checkpoint(policy, directory, rank=rank, barrier=barrier)
 
 
 def engine_weights(policy: nn.Module, engine: str) -> NamedWeights:
@@ -142,6 +180,6 @@ def engine_weights(policy: nn.Module, engine: str) -> NamedWeights:
                            lambda: sharding.iter_full_tensors(named))
 
 
-__all__ = ["POLICY_WEIGHTS", "VALUE_WEIGHTS", "engine_weights", "hf_backbone", "load_weights",
+__all__ = ["HF_POLICY_DIR", "POLICY_WEIGHTS", "VALUE_WEIGHTS", "engine_weights", "hf_backbone", "load_weights",
            "save_final_full_weights", "save_final_weights", "save_full_weights", "save_weights",
-           "write_engine_checkpoint"]
+           "write_engine_checkpoint", "write_hf_checkpoint"]

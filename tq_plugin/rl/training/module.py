@@ -19,6 +19,7 @@ the action tokens whose ratio the clamp changed, ``approx_kl`` is the mean of ``
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -53,7 +54,8 @@ from tq_plugin.rl.algorithms.losses import (
     is_correction_weights,
 )
 from tq_plugin.rl.models.fsdp import shard_model
-from tq_plugin.rl.models.tiny import TinyTransformer, entropy, shift_values, token_logprobs
+from tq_plugin.rl.models.protocol import TokenScoring, score_tokens
+from tq_plugin.rl.models.tiny import TinyTransformer, shift_values
 from tq_plugin.rl.training.metrics import (
     add_is_stats,
     add_stats,
@@ -99,6 +101,7 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         self.on_policy = recipe.topology != "disaggregated"
         self._off_band_steps = 0
         self.cfg = packing.model_cfg()
+        self.logprob_chunk_tokens = packing.logprob_chunk_tokens
         self.configure_packing(**packing.host_attributes())
         self.dp_layout = packing.layout
         self.dp_pad_to = "microbatch" if packing.use_dynamic_batches else "target"
@@ -150,20 +153,40 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         model.eval()
         device = device_of(model)
         planned = [] if not meta.size else [
-            mb for mb in plan_step(meta, host=self, fields=[INPUT_IDS, INPUT_LENGTHS],
+            mb for mb in plan_step(meta, host=self, fields=[INPUT_IDS, INPUT_LENGTHS,
+                                                            *([TOKEN_MASK] if role == "policy" else [])],
                                    task_name=task, step=step, mb_tokens_key="logprob_mb_tokens",
                                    micro_batch_size=self.cfg["train_micro_batch_size"])
             if mb.size]
         for mb in planned:
             td = self.dp_materialize(mb).to(device)
             ids = td[INPUT_IDS]
-            out = model(ids, **self._inputs(td, mb))
-            out = token_logprobs(out, ids, self.rc.temperature) if role == "policy" else shift_values(out)
+            with self._precision_context():
+                if role == "policy":  # the action tokens' logprobs only (0 elsewhere)
+                    out, _ = score_tokens(model, ids, self._scoring(td[TOKEN_MASK]),
+                                          **self._inputs(td, mb))
+                else:
+                    out = shift_values(model(ids, **self._inputs(td, mb))).float()
             self.write_to_dataplane(mb, {field: self.dp_rows(out.cpu())})
         if pair_with is not None:
             for _ in range(pair_with(len(planned)) - len(planned)):
                 model(torch.zeros(1, 1, dtype=torch.int64, device=device))
         model.train(was_training)
+
+    def _scoring(self, mask: torch.Tensor, *, with_entropy: bool = False) -> TokenScoring:
+        """The positions ``mask`` selects, scored in ``tq.packing.logprob_chunk_tokens`` chunks;
+        the entropy (a metric) is differentiated only when the loss uses it."""
+        return TokenScoring(mask=mask > 0, temperature=self.rc.temperature,
+                            chunk_tokens=self.logprob_chunk_tokens, with_entropy=with_entropy,
+                            entropy_grad=with_entropy and bool(self.rc.entropy_coef))
+
+    def _precision_context(self) -> Any:
+        """The trainer's forward precision (``trainer.precision=bf16-mixed``: autocast), so the
+        no-grad pass computes what the training step will; none without a trainer."""
+        trainer = self._trainer
+        if trainer is None:
+            return contextlib.nullcontext()
+        return trainer.precision_plugin.forward_context()
 
     def write_advantages(self, meta: KVBatchMeta) -> None:
         """Read the step's rewards (and PPO's values), compute the advantages
@@ -223,8 +246,7 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         mask = mask * self._row_values(td[SAMPLE_MASK], mask)
         ids = td[INPUT_IDS]
         inputs = self._inputs(td, meta)
-        logits = self.policy(ids, **inputs)
-        lp = token_logprobs(logits, ids, self.rc.temperature)
+        lp, ent = score_tokens(self.policy, ids, self._scoring(mask, with_entropy=True), **inputs)
         old, gen = td[PREV_LOGPROBS], td[GENERATION_LOGPROBS]
         ic = self.rc.is_correction
         is_w, is_masked = is_correction_weights(
@@ -233,7 +255,7 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         pg, parts = clipped_policy_loss(lp, old, td[ADVANTAGES], mask, clip_eps=self.rc.clip_eps,
                                         weights=is_w)
         loss = (pg * mask).sum() / norm
-        ent = entropy(logits) * mask
+        ent = ent * mask
         if self.rc.entropy_coef:
             loss = loss - self.rc.entropy_coef * ent.sum() / norm
         with torch.no_grad():
