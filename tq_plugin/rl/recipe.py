@@ -36,7 +36,7 @@ import torch
 from hydra.utils import instantiate
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from omegaconf import DictConfig, open_dict
 
 from tq_plugin.config import ConfigError, PackingConfig, RecipeConfig, validate_config
@@ -90,6 +90,12 @@ class RLRecipe:
             for node in (cfg.get("logger") or {}).values():
                 if isinstance(node, DictConfig) and "save_dir" in node:
                     node.save_dir = str(self.output_dir)
+            # Ray's workers' own output stays off the console unless verbose=true (it is in
+            # Ray's session logs; the engines' records go to engines.log, see setup).
+            ray_init = cfg.tq.backend.get("ray_init")
+            if not cfg.get("verbose", False) and ray_init is not None:
+                ray_init.setdefault("log_to_driver", False)
+                ray_init.setdefault("logging_level", "warning")
         return cfg
 
     @staticmethod
@@ -119,6 +125,12 @@ class RLRecipe:
         if self.rc.num_threads:
             torch.set_num_threads(self.rc.num_threads)
         torch.manual_seed(self.rc.seed)
+        rank_zero_only(print)(console.banner(
+            run_dir=self.output_dir, recipe=self.rc.algorithm,
+            model=self.cfg.model.get("name", "?"), engine=self.engine_cfg.name,
+            backend=str(self.cfg.tq.backend._target_).rsplit(".", 1)[-1],
+            topology=self.rc.topology, steps=self.rc.num_steps), flush=True)
+        console.quiet_third_party_logs(self.output_dir, verbose=bool(self.cfg.get("verbose", False)))
         self.task = build_task(self.cfg)
         # One rollout stream for the run, the same on every rank (see tq_plugin.rl.training.ranks).
         self.rollouts = RolloutStream(self.rc.seed)
@@ -284,12 +296,6 @@ class RLRecipe:
         ``checkpoints/sigterm.ckpt`` and exits with status 143, never 0.
         """
         ckpt_path = self.cfg.get("ckpt_path")
-        if self.trainer.is_global_zero:
-            print(console.banner(
-                run_dir=self.output_dir, recipe=self.rc.algorithm,
-                model=self.cfg.model.get("name", "?"), engine=self.engine_cfg.name,
-                backend=str(self.cfg.tq.backend._target_).rsplit(".", 1)[-1],
-                topology=self.rc.topology, steps=self.rc.num_steps), flush=True)
         try:
             with ranks.exported_address(self.cluster_address):  # the ranks Lightning launches
                 self.trainer.fit(self.module, datamodule=self.datamodule, ckpt_path=ckpt_path)

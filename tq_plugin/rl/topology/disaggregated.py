@@ -251,9 +251,8 @@ class Disaggregated(Callback):
             spec = WorkerSpec(index=k, client=client, cfg=self.cfg)
             self.procs.append(launcher.start(worker_main, (spec,), name=f"tq-rollout-{k}"))
         for k, proc in enumerate(self.procs):  # every worker started before the first pid wait
-            msg = f"[tq_plugin] rollout worker {k} started (pid {proc.pid}, {type(proc).__name__})"
-            print(msg, file=sys.stderr, flush=True)
-            log.info(msg)
+            log.info("[tq_plugin] rollout worker %d started (pid %d, %s)", k, proc.pid,
+                     type(proc).__name__)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop every worker this trainer started (idempotent): ask them all, then each gets

@@ -10,15 +10,16 @@ summary is the CLI's.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from tq_plugin.lightning import MICROBATCH_INFO
-
 
 STEP_LOG = logging.getLogger("tq_plugin.steps")
 
@@ -40,6 +41,41 @@ def route_step_lines(*, terminal: bool) -> None:
         elif ours and not terminal:
             for f in ours:
                 handler.removeFilter(f)
+
+
+# Third-party loggers whose records go to the run dir's ``engines.log`` unless ``verbose=true``.
+QUIET_LOGGERS = ("vllm", "ray", "transfer_queue")
+ENGINE_LOG = "engines.log"
+
+
+def quiet_third_party_logs(run_dir: Path, *, verbose: bool) -> Path | None:
+    """Send vLLM's, Ray's and TransferQueue's own log records to ``run_dir/engines.log`` instead
+    of the console, and switch transformers' progress bars off (``verbose``: leave them as they
+    are). vLLM is told not to install its own console handler (``VLLM_CONFIGURE_LOGGING=0``, read
+    when vLLM is imported, so call this first); Ray's driver-side records go through the handler
+    added here once ``ray.init`` runs with ``logging_level`` warning (the recipe sets it).
+    Returns the log file (None when ``verbose``)."""
+    if verbose:
+        return None
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    # transformers' weight-loading and shard-writing bars (read when it is imported; switched
+    # off in place where it was imported already).
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "transformers" in sys.modules:
+        sys.modules["transformers"].utils.logging.disable_progress_bar()
+    path = Path(run_dir) / ENGINE_LOG
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
+    for name in QUIET_LOGGERS:
+        logger = logging.getLogger(name)
+        for old in [h for h in logger.handlers if getattr(h, "_tq_engine_log", False)]:
+            logger.removeHandler(old)
+            old.close()
+        handler._tq_engine_log = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+        logger.propagate = False
+    return path
 
 
 def is_terminal() -> bool:
@@ -95,4 +131,5 @@ class StepLines(Callback):
         return " | ".join(parts)
 
 
-__all__ = ["STEP_LOG", "StepLines", "banner", "is_terminal", "route_step_lines"]
+__all__ = ["ENGINE_LOG", "QUIET_LOGGERS", "STEP_LOG", "StepLines", "banner", "is_terminal",
+           "quiet_third_party_logs", "route_step_lines"]
