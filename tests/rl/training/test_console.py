@@ -65,3 +65,30 @@ def test_a_run_off_a_terminal_prints_a_banner_and_one_line_per_step(tmp_path):
     steps = [line for line in lines if "RL step " in line and " | reward " in line]
     assert [s.split("RL step ")[1].split(" ")[0] for s in steps] == [f"{i}/5" for i in range(1, 6)]
     assert not any("it/s" in line for line in lines)  # no progress bar off a terminal
+
+
+def test_engine_logs_go_to_the_run_dir_unless_verbose(tmp_path, monkeypatch, caplog):
+    from tq_plugin.rl.training.console import ENGINE_LOG, QUIET_LOGGERS, quiet_third_party_logs
+
+    monkeypatch.delenv("VLLM_CONFIGURE_LOGGING", raising=False)
+    saved = {n: (logging.getLogger(n).propagate, list(logging.getLogger(n).handlers))
+             for n in QUIET_LOGGERS}
+    try:
+        assert quiet_third_party_logs(tmp_path, verbose=True) is None
+        path = quiet_third_party_logs(tmp_path, verbose=False)
+        quiet_third_party_logs(tmp_path, verbose=False)  # a second run: one handler, not two
+        assert path == tmp_path / ENGINE_LOG
+        with caplog.at_level(logging.INFO):
+            logging.getLogger("vllm.worker").warning("Failed to load weights")
+        assert "Failed to load weights" not in caplog.text  # not on the root's handlers
+        assert path.read_text().count("Failed to load weights") == 1
+        import os
+
+        assert os.environ["VLLM_CONFIGURE_LOGGING"] == "0"
+    finally:
+        for name, (propagate, handlers) in saved.items():
+            logger = logging.getLogger(name)
+            for h in [h for h in logger.handlers if h not in handlers]:
+                logger.removeHandler(h)
+                h.close()
+            logger.propagate = propagate
