@@ -191,3 +191,22 @@ def test_unscorable_rewards_are_kept_out_of_the_baseline_with_advantage_zero():
     adv = group_relative(rewards, 4, scale="none")
     mean = 1 / 3
     assert adv.tolist() == pytest.approx([1 - mean, 0.0, -mean, -mean])
+
+
+def test_overlong_penalty_is_dapos_soft_punishment():
+    # DAPO (Yu et al. 2025) eq. 13, L_max 8, L_cache 4: 0 up to 4, (4 - |y|) / 4 up to 8, -1 beyond.
+    from tq_plugin.rl.algorithms.advantages import overlong_penalty
+
+    lengths = torch.tensor([3, 4, 5, 7, 8, 9])
+    got = overlong_penalty(lengths, max_length=8, buffer=4, factor=1.0)
+    assert got.tolist() == pytest.approx([0.0, 0.0, -0.25, -0.75, -1.0, -1.0])
+    assert overlong_penalty(lengths, max_length=8, buffer=4, factor=0.5)[3] == pytest.approx(-0.375)
+    assert overlong_penalty(lengths, max_length=8, buffer=0).tolist() == [0.0] * 6
+
+
+def test_last_action_tokens_find_each_rows_last_generated_id():
+    from tq_plugin.rl.algorithms.advantages import last_action_tokens
+
+    mask = torch.tensor([[0, 1, 1, 0], [0, 1, 0, 1], [0, 0, 0, 0]])
+    ids = torch.tensor([[5, 6, 7, 0], [5, 8, 9, 2], [5, 5, 5, 5]])
+    assert last_action_tokens(mask, ids).tolist() == [7, 2, -1]

@@ -96,6 +96,26 @@ def group_relative(rewards: torch.Tensor, group_size: int, eps: float = 1e-6,
     return torch.nan_to_num(centred, nan=0.0).view(-1)
 
 
+def last_action_tokens(token_mask: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """``[B]``: each row's last action token id (-1 for a row with no action token)."""
+    is_action = token_mask > 0
+    width = token_mask.shape[1]
+    last = width - 1 - torch.flip(is_action, dims=[1]).to(torch.int8).argmax(dim=1)
+    ids = input_ids.gather(1, last.unsqueeze(1)).squeeze(1)
+    return torch.where(is_action.any(dim=1), ids, torch.full_like(ids, -1))
+
+
+def overlong_penalty(lengths: torch.Tensor, *, max_length: int, buffer: int,
+                     factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), per row of ``lengths``
+    generated tokens: 0 up to ``max_length - buffer``, then falling linearly to ``-factor`` at
+    ``max_length``, ``-factor`` beyond."""
+    if buffer <= 0:
+        return torch.zeros_like(lengths, dtype=torch.float32)
+    over = (lengths.float() - (max_length - buffer)).clamp(min=0.0)
+    return -factor * (over / buffer).clamp(max=1.0)
+
+
 def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """Normalize ``values`` over the masked positions (PPO's advantage normalization)."""
     m = mask > 0

@@ -219,6 +219,28 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     raise ValueError(f"kl_penalty: estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
 
 
+def policy_objective(loss_type: str, logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+                     advantages: torch.Tensor, mask: torch.Tensor, *, norm: float,
+                     microbatches: int = 1, sequence_ids: torch.Tensor | None = None,
+                     ref_logprobs: torch.Tensor | None = None, beta: float = 0.0,
+                     kl_estimator: str = "k3",
+                     **options: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One microbatch's policy loss: ``loss_type``'s per-token terms (:func:`policy_loss`, given
+    ``options``: ``clip_eps``, ``clip_eps_high``, ``cispo_cap``, ``level``, ``weights``) plus
+    ``beta`` times the reference KL (:func:`kl_penalty`, when ``ref_logprobs`` is given),
+    aggregated by :func:`aggregate_loss`. ``parts`` adds ``kl_ref`` (per token, 0 off the mask)."""
+    terms, parts = policy_loss(loss_type, logprobs, old_logprobs, advantages, mask,
+                               sequence_ids=sequence_ids, **options)
+    if ref_logprobs is not None:
+        kl = torch.where(mask > 0, kl_penalty(logprobs, ref_logprobs, kl_estimator),
+                         torch.zeros_like(logprobs))
+        terms = terms + beta * kl
+        parts["kl_ref"] = kl
+    loss = aggregate_loss(loss_type, terms, mask, norm=norm, microbatches=microbatches,
+                          sequence_ids=sequence_ids)
+    return loss, parts
+
+
 def approx_kl(ratio: torch.Tensor, log_ratio: torch.Tensor) -> torch.Tensor:
     """Per-token ``r - 1 - log r`` (k3): non-negative, 0 where the policies agree."""
     return ratio - 1.0 - log_ratio
@@ -303,5 +325,5 @@ def is_correction_weights(prev_logprobs: torch.Tensor, generation_logprobs: torc
 __all__ = ["IMPORTANCE_SAMPLING_LEVELS", "KL_ESTIMATORS", "LOSS_TYPES", "POLICY_LOSSES",
            "aggregate_loss", "approx_kl", "cispo_policy_loss", "clipped_policy_loss",
            "clipped_value_loss", "importance_log_ratio", "is_correction_weights", "kl_penalty",
-           "loss_normalizer", "policy_loss", "register_policy_loss", "sequence_token_counts",
-           "truncated_is_weights"]
+           "loss_normalizer", "policy_loss", "policy_objective", "register_policy_loss",
+           "sequence_token_counts", "truncated_is_weights"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import math
 import resource
 import time
 from collections.abc import Mapping
@@ -25,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from tq_plugin.data_plane import KVBatchMeta
 from tq_plugin.lightning.module import MICROBATCH_INFO
 from tq_plugin.rl.training.plots import plot_run, run_title
+from tq_plugin.rl.training.step_record import RL_STEP, STEP_FIGURES
 
 RESULT_FILE = "result.json"
 
@@ -58,7 +60,8 @@ def peak_memory_mb(device: torch.device | None = None) -> float:
 # Per-microbatch sums the training step reports; a step's (or a global batch's) figures are
 # ratios of these sums, so they do not depend on how the rows were cut into microbatches.
 SUMMED_STATS = ("loss", "value_loss", "clipped_tokens", "action_tokens", "kl_sum",
-                "entropy_sum", "real_tokens", "padded_tokens", "seconds")
+                "entropy_sum", "real_tokens", "padded_tokens", "seconds", "clip_low_tokens",
+                "clip_high_tokens", "kl_ref_sum")
 
 
 # The importance-sampling sums of a microbatch (``recipe.is_correction``), logged per optimizer
@@ -126,7 +129,10 @@ def rl_metrics(acc: Mapping[str, float], global_batches: int) -> dict[str, float
     a global batch is that batch's loss under every packing mode. ``clipfrac``, ``approx_kl``
     and ``entropy`` are per action token: clipped tokens (those whose ratio the clamp to
     ``[1 - clip_eps, 1 + clip_eps]`` changed) over action tokens is a fraction, in [0, 1] by
-    construction.
+    construction. ``clip_low`` / ``clip_high``: the fractions of action tokens whose gradient
+    the lower clip (``A < 0``) or the upper one (``A > 0``, clip-higher's side) took (TRL's
+    ``clip_ratio/low_mean``, ``high_mean``); ``kl_ref``: the mean reference KL estimate
+    (``recipe.beta > 0``).
     """
     n = max(int(global_batches), 1)
     actions = max(acc.get("action_tokens", 0.0), 1.0)
@@ -137,8 +143,101 @@ def rl_metrics(acc: Mapping[str, float], global_batches: int) -> dict[str, float
         "clipfrac": acc.get("clipped_tokens", 0.0) / actions,
         "approx_kl": acc.get("kl_sum", 0.0) / actions,
         "entropy": acc.get("entropy_sum", 0.0) / actions,
+        "clip_low": acc.get("clip_low_tokens", 0.0) / actions,
+        "clip_high": acc.get("clip_high_tokens", 0.0) / actions,
+        "kl_ref": acc.get("kl_ref_sum", 0.0) / actions,
         "tokens_per_s": acc.get("real_tokens", 0.0) / seconds if seconds else 0.0,
     }
+
+
+def _nan_mean_std(values: list[float]) -> tuple[float, float]:
+    """nanmean and Bessel nanstd (NaN where undefined), as TRL logs a reward column."""
+    valid = [v for v in values if not math.isnan(v)]
+    if not valid:
+        return math.nan, math.nan
+    mean = sum(valid) / len(valid)
+    if len(valid) < 2:
+        return mean, math.nan
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in valid) / (len(valid) - 1))
+
+
+def reward_figures(log: list[Mapping[str, Any]]) -> dict[str, float]:
+    """A step's per-reward figures from a task's reward log (``PromptTask.drain_reward_log``):
+    ``rewards/<name>/mean`` and ``/std`` of each function's raw values (``None`` left out;
+    a figure with no value to stand on is left out too),
+    ``rewards/unscorable`` (completions no reward applied to) and the mean of each
+    ``log_metric`` name, as TRL logs them."""
+    columns: dict[str, list[float]] = {}
+    custom: dict[str, list[float]] = {}
+    unscorable = 0
+    for call in log:
+        for name, values in call["rewards"].items():
+            columns.setdefault(name, []).extend(values)
+        for name, values in call.get("metrics", {}).items():
+            custom.setdefault(name, []).extend(values)
+        unscorable += int(call.get("unscorable", 0))
+    out: dict[str, float] = {}
+    for name, values in columns.items():
+        mean, std = _nan_mean_std(values)
+        # Undefined figures (no value applied; one value's std) are left out, as TRL drops NaN.
+        out |= {k: v for k, v in ((f"rewards/{name}/mean", mean), (f"rewards/{name}/std", std))
+                if not math.isnan(v)}
+    if log:
+        out["rewards/unscorable"] = float(unscorable)
+    out.update({name: sum(v) / len(v) for name, v in custom.items() if v})
+    return out
+
+
+def completion_rows(log: list[Mapping[str, Any]], step: int, limit: int) -> list[dict[str, Any]]:
+    """Up to ``limit`` sample rows ``{step, prompt, completion, <reward>..., <extra>..., reward}``
+    from a step's reward log (the first call's first completions), TRL's completions table."""
+    rows: list[dict[str, Any]] = []
+    for call in log:
+        for i, completion in enumerate(call["completions"][:limit - len(rows)]):
+            prompt = call["prompts"][i]
+            rows.append({"step": step, "prompt": prompt, "completion": completion,
+                         **{n: _json_number(v[i]) for n, v in call["rewards"].items()},
+                         **{n: v[i] for n, v in call.get("extra", {}).items() if i < len(v)},
+                         "reward": _json_number(call["total"][i])})
+        if len(rows) >= limit:
+            break
+    return rows
+
+
+def _json_number(value: float) -> float | None:
+    return None if math.isnan(value) else round(float(value), 6)
+
+
+COMPLETIONS_FILE = "completions.jsonl"
+
+
+def log_completions(rows: list[dict[str, Any]], *, output_dir: Path, loggers: list[Any],
+                    step: int) -> None:
+    """Append ``rows`` (:func:`completion_rows`) to ``completions.jsonl`` in ``output_dir`` and
+    hand them, as a table, to the loggers that take text: wandb's ``log_text``, TensorBoard's
+    ``add_text`` (a markdown table), MLflow's ``log_text`` (one JSON file per step)."""
+    if not rows:
+        return
+    output_dir.mkdir(parents=True, exist_ok=True)
+    lines = "".join(json.dumps(r, default=str) + "\n" for r in rows)
+    with open(output_dir / COMPLETIONS_FILE, "a") as f:
+        f.write(lines)
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    cells = [[r.get(c) if isinstance(r.get(c), (int, float)) or r.get(c) is None
+              else json.dumps(r[c]) if not isinstance(r[c], str) else r[c] for c in columns]
+             for r in rows]
+    for logger in loggers:
+        if hasattr(logger, "log_text"):  # WandbLogger
+            logger.log_text(key="completions", columns=columns, data=cells, step=step)
+            continue
+        experiment = getattr(logger, "experiment", None)
+        if hasattr(experiment, "add_text"):  # TensorBoardLogger's SummaryWriter
+            table = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+            table += ["| " + " | ".join(str(c).replace("|", "\\|").replace("\n", " ")
+                                        for c in row) + " |" for row in cells]
+            experiment.add_text("completions", "\n".join(table), global_step=step)
+        elif hasattr(experiment, "log_text") and getattr(logger, "run_id", None):  # MLFlowLogger
+            experiment.log_text(logger.run_id, lines, f"completions/step_{step:06d}.jsonl")
 
 
 @dataclass
@@ -163,8 +262,14 @@ class StepRecord:
     approx_kl: float = 0.0
     value_loss: float = 0.0
     entropy: float = 0.0
+    clip_low: float = 0.0
+    clip_high: float = 0.0
+    kl_ref: float = 0.0
     tokens_per_s: float = 0.0
     sums: dict[str, float] = field(default_factory=dict)
+    # The step record's own figures (step_record.STEP_FIGURES: rewards/<name>/mean and /std,
+    # rewards/unscorable, sampling/*), columns of metrics.csv as they are named.
+    figures: dict[str, float] = field(default_factory=dict)
     # This rank's peak memory after the step's microbatches (``tq_plugin.rl.models.fsdp.
     # peak_memory_mb``: CUDA allocated on a GPU, RSS on the CPU); every rank's once merged.
     peak_mem_mb: float = 0.0
@@ -199,6 +304,10 @@ class StepRecord:
             "approx_kl": round(self.approx_kl, 6),
             "value_loss": round(self.value_loss, 5),
             "entropy": round(self.entropy, 5),
+            "clip_low": round(self.clip_low, 5),
+            "clip_high": round(self.clip_high, 5),
+            "kl_ref": round(self.kl_ref, 6),
+            **{k: round(float(v), 5) for k, v in sorted(self.figures.items())},
             "rollout_s": round(self.rollout_s, 4),
             "prepare_s": round(self.prepare_s, 4),
             "train_s": round(self.train_s, 4),
@@ -244,6 +353,7 @@ class MetricsLog:
     def on_microbatch(self, meta: KVBatchMeta, stats: Mapping[str, float]) -> None:
         info = meta.extra_info[MICROBATCH_INFO]
         s = self._by_step[int(info["step"])]
+        s.figures = dict(meta.extra_info.get(RL_STEP, {}).get(STEP_FIGURES) or s.figures)
         s.add(stats, last_in_global_batch=bool(info["last_in_global_batch"]))
         self._max_mb_tokens = max(self._max_mb_tokens, int(stats.get("padded_tokens", 0)))
 
@@ -289,7 +399,9 @@ class MetricsLog:
         rows = [s.row() for s in self.steps]
         if rows:
             with open(out / "metrics.csv", "w", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+                # Every row's keys: a step's own figures (a reward first seen later) included.
+                names = list(dict.fromkeys(k for r in rows for k in r))
+                writer = csv.DictWriter(f, fieldnames=names, restval="")
                 writer.writeheader()
                 writer.writerows(rows)
         (out / "resolved_config.yaml").write_text(

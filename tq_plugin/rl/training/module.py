@@ -20,14 +20,16 @@ the action tokens whose ratio the clamp changed, ``approx_kl`` is the mean of ``
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
-from tq_plugin.config import PackingConfig, RecipeConfig
+from tq_plugin.config import ConfigError, PackingConfig, RecipeConfig
 from tq_plugin.data_plane import (
     ADVANTAGES,
     GENERATION_LOGPROBS,
@@ -48,14 +50,16 @@ from tq_plugin.lightning.module import MICROBATCH_INFO, MetaBatchMixin
 from tq_plugin.lightning.plan import plan_step
 from tq_plugin.rl.algorithms.advantages import compute_advantages
 from tq_plugin.rl.algorithms.losses import (
+    aggregate_loss,
     approx_kl,
-    clipped_policy_loss,
     clipped_value_loss,
     is_correction_weights,
+    policy_objective,
 )
 from tq_plugin.rl.models.fsdp import shard_model
 from tq_plugin.rl.models.protocol import TokenScoring, score_tokens
 from tq_plugin.rl.models.tiny import TinyTransformer, shift_values
+from tq_plugin.rl.models.weights import hf_backbone, load_weights
 from tq_plugin.rl.training.metrics import (
     add_is_stats,
     add_stats,
@@ -65,13 +69,40 @@ from tq_plugin.rl.training.metrics import (
     warn_if_unsynced,
 )
 from tq_plugin.rl.training.ranks import reduce_over_ranks
-from tq_plugin.rl.training.step_record import TURN_REWARDS
+from tq_plugin.rl.training.step_record import (
+    REF_LOGPROBS,
+    RL_STEP,
+    STEP_FIGURES,
+    TURN_REWARDS,
+    record_loss_norm,
+)
 from tq_plugin.rollout.engines.native import device_of
 from tq_plugin.staging import MEDIA_IMGS_FIELD
 
 POLICY_TRAIN_FIELDS = [INPUT_IDS, INPUT_LENGTHS, TOKEN_MASK, SAMPLE_MASK, PREV_LOGPROBS, ADVANTAGES,
                        GENERATION_LOGPROBS]
 VALUE_TRAIN_FIELDS = [VALUES, RETURNS]
+
+
+def build_reference(policy: torch.nn.Module, recipe: RecipeConfig) -> torch.nn.Module:
+    """The frozen reference policy of ``recipe.beta > 0``: a copy of the initial ``policy``, or
+    with ``recipe.reference_path`` that copy loaded with its weights (a ``policy.safetensors``
+    an earlier run wrote, or an HF checkpoint directory for ``model=hf_causal_lm``)."""
+    reference = copy.deepcopy(policy)
+    path = recipe.reference_path
+    if path is not None:
+        p = Path(path)
+        if p.is_file():
+            load_weights(reference, p)
+        elif p.is_dir() and hf_backbone(reference) is not None:
+            import transformers
+
+            loaded = transformers.AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True)
+            hf_backbone(reference).load_state_dict(loaded.state_dict())
+        else:
+            raise ConfigError(f"recipe.reference_path: {path} must be a policy.safetensors file, or "
+                              f"with model=hf_causal_lm an HF checkpoint directory")
+    return reference.requires_grad_(False)  # forward_pass puts it in eval mode for its pass
 
 
 class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
@@ -107,6 +138,12 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         self.dp_pad_to = "microbatch" if packing.use_dynamic_batches else "target"
         # What a training microbatch reads; other passes read what their meta names.
         self.train_fields = POLICY_TRAIN_FIELDS + (VALUE_TRAIN_FIELDS if value is not None else [])
+        # recipe.beta > 0: a frozen copy of the initial policy (or recipe.reference_path's
+        # weights), whose logprobs the step's no-grad pass writes as ref_logprobs. A submodule,
+        # so a resumed run's checkpoint brings it back; never trained, never sharded.
+        self.reference = build_reference(policy, recipe) if recipe.beta > 0 else None
+        if self.reference is not None:
+            self.train_fields = [*self.train_fields, REF_LOGPROBS]
         self.step_hook: Any = None  # called with (meta, stats) after each microbatch
         self.train_seconds = 0.0
         # Set by the recipe's step callback before each microbatch trains, from the step's meta
@@ -136,7 +173,8 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
                      pair_with: Callable[[int], int] | None = None) -> None:
         """One no-grad pass over the step, written back through the data plane.
 
-        ``role="policy"`` writes ``prev_logprobs``, ``role="value"`` writes ``values``. The pass
+        ``role="policy"`` writes ``prev_logprobs``, ``role="reference"`` (``recipe.beta > 0``) the
+        frozen reference's ``ref_logprobs``, ``role="value"`` writes ``values``. The pass
         runs on its own isolated meta (so the value model's pad target never comes from the
         policy's dispatch), in microbatches under the ``logprob_mb_tokens`` budget and in the
         training layout; each microbatch's output goes back as rows (``dp_rows``). The columns
@@ -147,14 +185,16 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         rank pads with that many throwaway one-token forwards less its own, so every rank's
         forwards (each one a collective) pair up.
         """
-        model, field = (self.policy, PREV_LOGPROBS) if role == "policy" else (self.value, VALUES)
-        task = "prev_lp" if role == "policy" else "value_fwd"
+        model, field, task = {"policy": (self.policy, PREV_LOGPROBS, "prev_lp"),
+                              "reference": (self.reference, REF_LOGPROBS, "ref_lp"),
+                              "value": (self.value, VALUES, "value_fwd")}[role]
+        scores = role != "value"  # the policy and the reference score tokens
         was_training = model.training
         model.eval()
         device = device_of(model)
         planned = [] if not meta.size else [
             mb for mb in plan_step(meta, host=self, fields=[INPUT_IDS, INPUT_LENGTHS,
-                                                            *([TOKEN_MASK] if role == "policy" else [])],
+                                                            *([TOKEN_MASK] if scores else [])],
                                    task_name=task, step=step, mb_tokens_key="logprob_mb_tokens",
                                    micro_batch_size=self.cfg["train_micro_batch_size"])
             if mb.size]
@@ -162,7 +202,7 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
             td = self.dp_materialize(mb).to(device)
             ids = td[INPUT_IDS]
             with self._precision_context():
-                if role == "policy":  # the action tokens' logprobs only (0 elsewhere)
+                if scores:  # the action tokens' logprobs only (0 elsewhere)
                     out, _ = score_tokens(model, ids, self._scoring(td[TOKEN_MASK]),
                                           **self._inputs(td, mb))
                 else:
@@ -199,7 +239,7 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
             "ppo" if ppo else "grpo", mask=td[TOKEN_MASK] * td[SAMPLE_MASK].unsqueeze(1),
             total_reward=td[TOTAL_REWARD], turn_rewards=td[TURN_REWARDS],
             values=td[VALUES] if ppo else None, group_size=self.rc.group_size,
-            gamma=self.rc.gamma, lam=self.rc.gae_lambda)
+            gamma=self.rc.gamma, lam=self.rc.gae_lambda, scale_rewards=self.rc.scale_rewards)
         self.write_to_dataplane(meta, {ADVANTAGES: adv, **({RETURNS: returns} if ppo else {})})
 
     # ------------------------------------------------------------------ training
@@ -241,7 +281,7 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
 
     def training_step(self, td: Any, batch_idx: int) -> dict[str, Any]:
         meta = self.dp_meta
-        norm = float(self.loss_norm)
+        norm, token_norm = self._loss_norms(meta)
         mask = td[TOKEN_MASK].float()
         mask = mask * self._row_values(td[SAMPLE_MASK], mask)
         ids = td[INPUT_IDS]
@@ -252,17 +292,27 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         is_w, is_masked = is_correction_weights(
             old, gen, mask, mode=self.is_mode, cap=self.rc.is_cap, low=ic.min, high=ic.max,
             sequence_ids=td[SEGMENT_IDS] if SEGMENT_IDS in td.keys() else None)  # noqa: SIM118
-        pg, parts = clipped_policy_loss(lp, old, td[ADVANTAGES], mask, clip_eps=self.rc.clip_eps,
-                                        weights=is_w)
-        loss = (pg * mask).sum() / norm
+        rc, seq_ids = self.rc, td[SEGMENT_IDS] if SEGMENT_IDS in td.keys() else None  # noqa: SIM118
+        extra = meta.extra_info if meta is not None else {}
+        microbatches = int(extra.get(MICROBATCH_INFO, {}).get("count", 1))
+        loss, parts = policy_objective(
+            rc.loss_type, lp, old, td[ADVANTAGES], mask, norm=norm, microbatches=microbatches,
+            sequence_ids=seq_ids, clip_eps=rc.clip_eps, clip_eps_high=rc.clip_eps_high,
+            cispo_cap=rc.cispo_cap, level=rc.importance_sampling_level, weights=is_w,
+            ref_logprobs=td[REF_LOGPROBS] if self.reference is not None else None, beta=rc.beta,
+            kl_estimator=rc.kl_estimator)
         ent = ent * mask
         if self.rc.entropy_coef:
-            loss = loss - self.rc.entropy_coef * ent.sum() / norm
+            loss = loss - self.rc.entropy_coef * aggregate_loss(
+                rc.loss_type, ent, mask, norm=norm, microbatches=microbatches, sequence_ids=seq_ids)
         with torch.no_grad():
             actions = mask > 0
             gen_ratio = torch.where(actions, (old - gen).exp(), torch.zeros_like(old))
             stats = {
                 "clipped_tokens": float((parts["clipped"] & actions).sum()),
+                "clip_low_tokens": float(parts["clip_low"].sum()),
+                "clip_high_tokens": float(parts["clip_high"].sum()),
+                "kl_ref_sum": float((parts["kl_ref"] * mask).sum()) if "kl_ref" in parts else 0.0,
                 "action_tokens": float(mask.sum()),
                 "kl_sum": float((approx_kl(parts["ratio"], parts["log_ratio"]) * mask).sum()),
                 "entropy_sum": float(ent.detach().sum()),
@@ -274,12 +324,25 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         if self.value is not None:
             v = shift_values(self.value(ids, **inputs))
             v_loss = clipped_value_loss(v, td[VALUES], td[RETURNS], clip_eps=self.rc.value_clip_eps)
-            v_loss = (v_loss * mask).sum() / norm
+            v_loss = (v_loss * mask).sum() / token_norm
             loss = loss + self.rc.vf_coef * v_loss
             stats["value_loss"] = float(v_loss.detach())
         stats["loss"] = float(loss.detach())
         self._mb_stats = stats
         return {"loss": loss}
+
+    def _loss_norms(self, meta: KVBatchMeta) -> tuple[float, float]:
+        """``(recipe.loss_type's normaliser, the action-token one)`` of this microbatch's global
+        batch, per rank: the step callback sets ``loss_norm`` from the step record (computed
+        for its ``loss_type`` when the step was prepared); a record of another type (or none)
+        is recomputed from its totals. The value loss is always a token mean."""
+        rl = meta.extra_info.get(RL_STEP) if meta is not None else None
+        if rl is None:  # a microbatch trained outside a recipe (tests): loss_norm as set
+            return float(self.loss_norm), float(self.loss_norm)
+        world = self.trainer.world_size if self._trainer is not None else 1
+        norm = (float(self.loss_norm) if rl.get("loss_type", "dapo") == self.rc.loss_type
+                else record_loss_norm(rl, self.rc.loss_type, self.rc.max_new_tokens) / world)
+        return norm, record_loss_norm(rl, "dapo", self.rc.max_new_tokens) / world
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Book the microbatch (forward, backward and, on a global batch's last, the step)."""
@@ -308,12 +371,19 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
             self._off_band_steps = warn_if_unsynced(figures, self._off_band_steps)
         if self.value is None:
             figures.pop("value_loss")
+        if self.reference is None:
+            figures.pop("kl_ref")
         step = int(info["step"])
         logged = {f"rl/{k}": v for k, v in figures.items()}
         logged["rl/step"] = float(step)
         self.log_dict(logged, on_step=True, on_epoch=False, batch_size=batch_size)
         self.log_dict({"rl/reward": float(self.current_reward)},
                       prog_bar=True, on_step=True, on_epoch=False, batch_size=batch_size)
+        # The step's own figures (rewards/<name>/mean and /std, dynamic sampling): step_record.
+        figures = self.dp_meta.extra_info.get(RL_STEP, {}).get(STEP_FIGURES)
+        if figures:
+            self.log_dict({k: float(v) for k, v in figures.items()}, on_step=True,
+                          on_epoch=False, batch_size=batch_size)
 
     @staticmethod
     def _row_values(per_row: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

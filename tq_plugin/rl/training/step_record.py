@@ -11,11 +11,18 @@ from __future__ import annotations
 from typing import Any
 
 from tq_plugin.data_plane import GENERATION_LOGPROBS, PREV_LOGPROBS, SAMPLE_MASK, TOKEN_MASK
+from tq_plugin.rl.algorithms.losses import loss_normalizer
 
 # extra_info key of a step meta (see the module docstring).
 RL_STEP = "rl_step"
 # Per-turn rewards of a training row (a fraction of the task's turns), written next to the rows.
 TURN_REWARDS = "turn_rewards"
+# extra entry of a record: the step's own figures, logged as they are (rewards/<name>/mean,
+# rewards/<name>/std, rewards/unscorable, sampling/*), and columns of metrics.csv.
+STEP_FIGURES = "figures"
+# The frozen reference policy's logprobs of the action tokens (recipe.beta > 0), written by the
+# step's no-grad pass.
+REF_LOGPROBS = "ref_logprobs"
 # The columns :func:`action_tokens_and_gap` reads.
 GAP_FIELDS = (TOKEN_MASK, SAMPLE_MASK, GENERATION_LOGPROBS, PREV_LOGPROBS)
 
@@ -34,12 +41,30 @@ def action_tokens_and_gap(td: Any) -> tuple[int, float]:
 
 def step_record(*, actions: int, minibatches: int, rewards: list[float],
                 turn_scores: list[list[float]], rollout_s: float, prepare_s: float,
-                failed_calls: int, lp_gap: float, **extra: Any) -> dict[str, Any]:
-    """The ``RL_STEP`` record: the loss normalizer (a global batch's action tokens, the same under
-    every packing mode), the rollout figures the metrics book, and ``extra`` entries (eval)."""
-    return {"loss_norm": max(1, actions // minibatches), "rewards": rewards,
-            "turn_scores": turn_scores, "rollout_s": rollout_s, "prepare_s": prepare_s,
-            "failed_calls": failed_calls, "lp_gap": lp_gap, **extra}
+                failed_calls: int, lp_gap: float, loss_type: str = "dapo",
+                max_new_tokens: int = 0, **extra: Any) -> dict[str, Any]:
+    """The ``RL_STEP`` record: ``loss_norm``, the global normaliser of ``loss_type``
+    (:func:`~tq_plugin.rl.algorithms.losses.loss_normalizer`: one global batch's action tokens,
+    sequences, or sequences x the longest completion, the same under every packing mode) and the
+    totals it came from, the rollout figures the metrics book, and ``extra`` entries (eval,
+    per-reward figures, dynamic-sampling counts)."""
+    totals = {"actions": int(actions), "sequences": len(rewards), "minibatches": int(minibatches),
+              "turns": len(turn_scores[0]) if turn_scores else 1}
+    return {"loss_norm": record_loss_norm(totals, loss_type, max_new_tokens), "loss_type": loss_type,
+            **totals, "rewards": rewards, "turn_scores": turn_scores, "rollout_s": rollout_s,
+            "prepare_s": prepare_s, "failed_calls": failed_calls, "lp_gap": lp_gap, **extra}
 
 
-__all__ = ["GAP_FIELDS", "RL_STEP", "TURN_REWARDS", "action_tokens_and_gap", "step_record"]
+def record_loss_norm(record: dict[str, Any], loss_type: str, max_new_tokens: int) -> float:
+    """``loss_type``'s normaliser from a step record's totals (``max_new_tokens`` x its turns:
+    the longest completion, Dr. GRPO's constant). A record from before the totals were kept
+    holds only the action-token normaliser."""
+    if "actions" not in record:
+        return float(record["loss_norm"])
+    return loss_normalizer(loss_type, action_tokens=record["actions"],
+                           sequences=record["sequences"], minibatches=record["minibatches"],
+                           max_completion_tokens=max(1, max_new_tokens * record["turns"]))
+
+
+__all__ = ["GAP_FIELDS", "REF_LOGPROBS", "RL_STEP", "STEP_FIGURES", "TURN_REWARDS", "action_tokens_and_gap",
+           "record_loss_norm", "step_record"]
