@@ -121,8 +121,10 @@ def test_trl_rewards_train_three_grpo_steps_with_each_functions_mean_logged(
     with open(tmp_path / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 3
-    for name in ("think", "accuracy", "solution"):
+    for name in ("think", "solution"):
         assert all(r[f"rewards/{name}/mean"] != "" for r in rows), name
+    # accuracy_reward applies to the math rows only: a step that drew none has no mean.
+    assert any(r["rewards/accuracy/mean"] != "" for r in rows)
     assert all(float(r["kl_ref"]) >= 0.0 for r in rows)
     samples = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
     assert {s["step"] for s in samples} == {0, 1, 2}
