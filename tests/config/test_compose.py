@@ -120,7 +120,15 @@ def test_option_composes_validates_and_instantiates(compose_train, tmp_path, gro
         tokenizer.save_pretrained(str(tmp_path / "tok"))
         task = instantiate(node, path=str(tmp_path / "p.jsonl"), tokenizer=str(tmp_path / "tok"))
         assert task.vocab_size == len(tokenizer) and task.eos_token_id == tokenizer.eos_token_id
-        assert len(task.rows) == 4 and task.rewards[0].name == node.reward._target_
+        assert len(task.rows) == 4  # rewards are named as TRL names them: the function's name
+        assert task.rewards[0].name == node.reward._target_.rsplit(".", 1)[-1]
+    elif group == "task" and option == "agent":
+        pytest.importorskip("datasets", reason="the prompts extra is not installed")
+        from hydra.errors import InstantiationException
+
+        (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "2+2?", "answer": "4"}) + "\n")
+        with pytest.raises(InstantiationException, match="task.agent._target_: task=agent needs"):
+            instantiate(node, path=str(tmp_path / "p.jsonl"))  # no agent named yet
     elif group == "task":
         task = instantiate(node)
         assert task.vocab_size > task.num_symbols

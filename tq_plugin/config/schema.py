@@ -278,6 +278,37 @@ class PromptsTaskConfig:
 
 
 @dataclass
+class AgentTaskConfig:
+    """``task=agent``: a local dataset of problems, each handed whole to the user's agent
+    ``async def solve(client, row, **agent_kwargs) -> float | dict`` (``task.agent._target_``),
+    which talks to the policy through an OpenAI-compatible endpoint that stages every call
+    (``tq_plugin.rl.tasks.agent``)."""
+
+    _target_: str = "tq_plugin.rl.tasks.agent.AgentTask"
+    _recursive_: bool = False
+    name: str = "agent"
+    path: str | None = None
+    prompt_key: str = "prompt"
+    # A local tokenizer directory with a chat template; the config's default is the model's.
+    tokenizer: str | None = None
+    # {_target_: the agent function, any other key: its keyword arguments}.
+    agent: Any = field(default_factory=dict)
+    # Rollouts in flight at once (each one agent loop).
+    concurrency: int = 8
+    # The longest a rollout may grow (prompt, every call and its answer): the endpoint refuses
+    # a call past it; the model's max_seq_len must hold it.
+    max_context: int = 1024
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("task.concurrency", self.concurrency)
+        _positive("task.max_context", self.max_context)
+        if not isinstance(self.agent, dict):
+            _fail("task.agent", f"must be a {{_target_, ...keyword arguments}} node, got "
+                  f"{self.agent!r}")
+
+
+@dataclass
 class ModelConfig:
     """``model``: the policy (and, for PPO, value) network."""
 
@@ -410,7 +441,8 @@ SCHEMAS: dict[str, type] = {
 EXTRA_SCHEMAS: dict[str, type] = {"backend_ray": RayBackendConfig,
                                   "backend_transferqueue": TransferQueueBackendConfig,
                                   "model_hf_causal_lm": HFCausalLMConfig,
-                                  "task_prompts": PromptsTaskConfig}
+                                  "task_prompts": PromptsTaskConfig,
+                                  "task_agent": AgentTaskConfig}
 
 # Schemas are stored as root configs, not in a group: a group would be listed in every Hydra
 # app's --help (the plugin registers them on every start), and a schema is not an option.

@@ -132,6 +132,8 @@ class RLRecipe:
             topology=self.rc.topology, steps=self.rc.num_steps), flush=True)
         console.quiet_third_party_logs(self.output_dir, verbose=bool(self.cfg.get("verbose", False)))
         self.task = build_task(self.cfg)
+        if hasattr(self.task, "check_recipe"):  # a task may refuse settings it cannot train
+            self.task.check_recipe(self.rc)
         # One rollout stream for the run, the same on every rank (see tq_plugin.rl.training.ranks).
         self.rollouts = RolloutStream(self.rc.seed)
         self.summary: dict[str, Any] | None = None

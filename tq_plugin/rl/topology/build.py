@@ -67,17 +67,23 @@ class RolloutSide:
     the reassembler that turns the finished groups into training rows."""
 
     sink: Any
-    rollout: RolloutWorker
+    rollout: Any  # a RolloutWorker, or the task's own driver with its ``run``
     reassembler: RolloutReassembler
 
 
 def build_rollout_side(cfg: DictConfig, task: Any, client: Any) -> RolloutSide:
-    """The sink (``tq.staging``), rollout worker and reassembler for ``task`` on ``client``."""
+    """The sink (``tq.staging``), rollout driver and reassembler for ``task`` on ``client``: the
+    task's own driver where it has one (``rollout_driver``: ``task=agent`` serves the engine to
+    the user's agent), else a ``RolloutWorker`` running the task's episodes."""
     rc = cfg.recipe
     sink = instantiate(cfg.tq.staging)(client)
-    rollout = RolloutWorker(task=task, sink=sink, temperature=rc.temperature,
-                            max_new_tokens=rc.max_new_tokens, stop_token_id=task.eos_token_id,
-                            allowed_token_ids=task.output_token_ids)
+    if hasattr(task, "rollout_driver"):  # a task that drives its own rollouts (task=agent)
+        rollout = task.rollout_driver(sink, temperature=rc.temperature,
+                                      max_new_tokens=rc.max_new_tokens)
+    else:
+        rollout = RolloutWorker(task=task, sink=sink, temperature=rc.temperature,
+                                max_new_tokens=rc.max_new_tokens, stop_token_id=task.eos_token_id,
+                                allowed_token_ids=task.output_token_ids)
     reassembler = RolloutReassembler(client, staging_partition=sink.staging_partition,
                                      capture_media=captures_media(cfg),
                                      pad_token_id=task.pad_token_id, clear_staged=True)
