@@ -98,6 +98,24 @@ def test_a_hub_id_gets_one_message_and_nothing_is_downloaded(tmp_path, monkeypat
         HFCausalLM(40, pretrained_path=str(tmp_path / "missing"))
 
 
+def test_eos_and_pad_come_from_the_tokenizer_else_the_generation_config(checkpoint, tmp_path):
+    from tq_plugin.rl.tasks.prompts import special_ids
+
+    path, tok = checkpoint
+    assert special_ids(tok, path) == (tok.eos_token_id, tok.pad_token_id)
+    bare = train_tokenizer(["reverse: a b c"])
+    bare.eos_token, bare.pad_token = None, None  # a tokenizer that names neither
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [5, 6], "pad_token_id": 4}))
+    assert special_ids(bare, tmp_path) == (5, 4)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 5}))
+    assert special_ids(bare, tmp_path) == (5, 5)  # pad falls back to EOS
+    (tmp_path / "generation_config.json").unlink()
+    with pytest.raises(ConfigError, match="task.tokenizer: neither the tokenizer .* names an "
+                                          "eos token"):
+        special_ids(bare, tmp_path)
+
+
 def test_the_policy_is_written_as_a_directory_transformers_loads(checkpoint, tmp_path):
     path, tok = checkpoint
     policy = HFCausalLM(len(tok), pretrained_path=str(path))

@@ -29,6 +29,7 @@ after the first see ``task.feedback`` (good / bad, by the reward) and are scored
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -94,7 +95,8 @@ def _is_prompt(value: Any) -> bool:
 
 
 def load_tokenizer(path: str | Path | None) -> Any:
-    """``AutoTokenizer`` from a local directory (never the hub); it must have an EOS token."""
+    """``AutoTokenizer`` from a local directory (never the hub); it (or the directory's
+    generation config, :func:`special_ids`) must name an EOS token."""
     if path is None:
         raise ConfigError("task.tokenizer: task=prompts needs a tokenizer directory (set "
                           "model.pretrained_path, or task.tokenizer=DIR)")
@@ -110,9 +112,31 @@ def load_tokenizer(path: str | Path | None) -> Any:
     except ImportError as exc:
         raise ConfigError("task=prompts needs transformers: pip install 'tq_plugin[hf]'") from exc
     tok = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    if tok.eos_token_id is None:
-        raise ConfigError(f"task.tokenizer: the tokenizer in {path} has no eos_token")
+    special_ids(tok, path)  # refuses a tokenizer with no EOS anywhere
     return tok
+
+
+def _first(value: Any) -> int | None:
+    """An id of a config (``int``, a list of them: the first, or ``None``)."""
+    if isinstance(value, list):
+        return int(value[0]) if value else None
+    return None if value is None else int(value)
+
+
+def special_ids(tokenizer: Any, path: str | Path) -> tuple[int, int]:
+    """``(eos, pad)``: the tokenizer's own, else the checkpoint's ``generation_config.json`` in
+    ``path`` (a model that names its stop and pad ids only there), pad falling back to EOS.
+    No EOS in either is a ``ConfigError`` naming ``task.tokenizer``."""
+    gen_path = Path(path) / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else _first(
+        gen.get("eos_token_id"))
+    if eos is None:
+        raise ConfigError(f"task.tokenizer: neither the tokenizer in {path} nor its "
+                          f"generation_config.json names an eos token")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else _first(
+        gen.get("pad_token_id"))
+    return int(eos), int(eos if pad is None else pad)
 
 
 def render(tokenizer: Any, prompt: str | list[dict]) -> list[int]:
@@ -169,6 +193,7 @@ class PromptTask:
         self.turns = turns
         self.prompt_key = prompt_key
         self.tokenizer = load_tokenizer(tokenizer)
+        self.eos_token_id, self.pad_token_id = special_ids(self.tokenizer, tokenizer)
         self.rewards: list[Reward] = load_rewards(reward, rewards)
         rows = load_rows(path, prompt_key=prompt_key)
         if eval_path is not None:
@@ -187,9 +212,6 @@ class PromptTask:
         self.eval_ids = [render(self.tokenizer, r[prompt_key]) for r in held_out]
         self.feedback_ids = [list(self.tokenizer(t, add_special_tokens=False).input_ids)
                              for t in (feedback_bad, feedback_good)]
-        self.eos_token_id = int(self.tokenizer.eos_token_id)
-        pad = self.tokenizer.pad_token_id
-        self.pad_token_id = int(pad if pad is not None else self.eos_token_id)
         self.image_token_id = None
         self.seed, self.shuffle = seed, shuffle
         self.epoch, self.cursor = 0, 0
@@ -257,10 +279,13 @@ class PromptTask:
 
     def score(self, responses: torch.Tensor, response_lens: torch.Tensor,
               targets: torch.Tensor, target_lens: torch.Tensor) -> torch.Tensor:
-        """The weighted reward of each decoded completion (``targets[:, 0]``: its row); NaN for a
-        completion no reward applies to (kept out of its group's baseline, advantage 0)."""
+        """The weighted reward of each decoded completion (``targets[:, 0]``: its row); 0.0 for a
+        completion no reward applies to (a rollout receipt carries a finite reward): the reward
+        log's ``total`` keeps its NaN, from which the colocated step source puts NaN in the
+        row's ``total_reward`` (kept out of its group's baseline, advantage 0)."""
         rows = [self.rows[i] for i in targets[:, 0].tolist()]
-        return torch.tensor(self.reward_rows(rows, responses, response_lens), dtype=torch.float32)
+        total = torch.tensor(self.reward_rows(rows, responses, response_lens), dtype=torch.float32)
+        return total.nan_to_num(0.0)
 
     def reward_call(self, rows: Sequence[Mapping[str, Any]], responses: torch.Tensor,
                     response_lens: torch.Tensor) -> RewardCall:
@@ -353,4 +378,4 @@ class TaskState(Callback):
 
 
 __all__ = ["FORMATS", "PromptTask", "TaskState", "is_conversational", "load_rows", "load_tokenizer",
-           "prompt_text", "render"]
+           "prompt_text", "render", "special_ids"]
