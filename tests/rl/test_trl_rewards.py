@@ -88,9 +88,11 @@ def test_a_completion_only_none_applies_to_is_unscorable_and_counted(tiny, caplo
     task = _task(tiny, accuracy={"_target_": "trl.rewards.accuracy_reward"})
     with caplog.at_level(logging.WARNING):
         scores = _score(task, ["b a"], [1])
-    assert math.isnan(float(scores[0]))
+    # The rollout receipt carries 0.0; the reward log keeps the NaN the step source writes back.
+    assert float(scores[0]) == 0.0
     assert "no reward applies" in caplog.text
-    assert task.drain_reward_log()[0]["unscorable"] == 1
+    (call,) = task.drain_reward_log()
+    assert call["unscorable"] == 1 and math.isnan(call["total"][0])
 
 
 def test_a_trl_style_user_function_gets_conversational_completions_and_the_column(tiny):
@@ -126,6 +128,7 @@ def test_trl_rewards_train_three_grpo_steps_with_each_functions_mean_logged(
     # accuracy_reward applies to the math rows only: a step that drew none has no mean.
     assert any(r["rewards/accuracy/mean"] != "" for r in rows)
     assert all(float(r["kl_ref"]) >= 0.0 for r in rows)
+    assert all(float(r["rewards/unscorable"]) == 0 for r in rows)  # think applies to every row
     samples = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
     assert {s["step"] for s in samples} == {0, 1, 2}
     assert {"prompt", "completion", "think", "accuracy", "solution", "reward"} <= set(samples[0])
@@ -163,3 +166,25 @@ def test_reward_figures_and_sample_completions_from_a_reward_log(tmp_path):
     lines = (tmp_path / COMPLETIONS_FILE).read_text().splitlines()
     assert [json.loads(line)["prompt"] for line in lines] == ["p0", "p1", "p0"]
     assert texts[0][0] == "completions" and texts[0][2] == 5 and "| p1 | c1 |" in texts[0][1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_completions_no_reward_applies_to_train_as_unscorable(monkeypatch, tmp_path, tiny):
+    """accuracy_reward alone: the rows whose gold answer is not math are unscorable (NaN total
+    reward, advantage 0), counted, and the run trains on."""
+    _, model, data = tiny
+    monkeypatch.setattr(sys, "argv", [
+        "grpo", f"hydra.run.dir={tmp_path}", "task=prompts", f"task.path={data}",
+        "model=hf_causal_lm", f"model.pretrained_path={model}", "recipe.num_steps=2",
+        "recipe.ppo_epochs=1", "recipe.prompts_per_step=4", "trainer.enable_progress_bar=false",
+        "task.reward._target_=trl.rewards.accuracy_reward"])
+    GlobalHydra.instance().clear()
+    try:
+        cli.main(config_name="grpo")
+    finally:
+        GlobalHydra.instance().clear()
+    with open(tmp_path / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert sum(float(r["rewards/unscorable"]) for r in rows) > 0
+    assert all(math.isfinite(float(r["loss"])) and math.isfinite(float(r["reward"])) for r in rows)

@@ -213,19 +213,28 @@ class Colocated:
         (truncation mask, overlong penalty: the rows' ``total_reward`` and ``sample_mask``
         rewritten)."""
         rc, m = self.rc, self.module
+        logged = len(getattr(self.task, "reward_log", ()))
         batch = self.side.rollout.run(self.engine, step=step + index * DRAW_STRIDE,
                                       prompts=rc.prompts_per_step, group_size=rc.group_size,
                                       generator=self.rollouts.generator)
         meta = self.side.reassembler.finalize_group(batch.receipts,
                                                     partition_id=rc.train_partition)
         rewards, figures = batch.rewards.clone(), {}
+        written: dict[str, torch.Tensor] = {}
+        # Rows no reward applied to in any turn (their receipts carry 0.0): NaN, kept out of
+        # their groups' baselines (advantage 0), as TRL keeps its unscorable completions.
+        calls = getattr(self.task, "reward_log", [])[logged:]
+        if calls:
+            unscorable = torch.stack([torch.tensor(c["total"]).isnan() for c in calls]).all(dim=0)
+            if unscorable.any():
+                rewards = torch.where(unscorable, torch.full_like(rewards, math.nan), rewards)
+                written[TOTAL_REWARD] = rewards
         if rc.mask_truncated_completions or rc.overlong_buffer:
             td = m.read_from_dataplane(meta, select_fields=[INPUT_IDS, TOKEN_MASK, SAMPLE_MASK])
             mask = td[TOKEN_MASK] > 0
             truncated = (last_action_tokens(mask, td[INPUT_IDS]) != self.task.eos_token_id) \
                 & mask.any(dim=1)
             figures["completions/truncated_fraction"] = float(truncated.float().mean())
-            written: dict[str, torch.Tensor] = {}
             if rc.mask_truncated_completions:
                 written[SAMPLE_MASK] = td[SAMPLE_MASK] * ~truncated
             if rc.overlong_buffer:
@@ -234,6 +243,7 @@ class Colocated:
                 rewards = rewards + penalty
                 written[TOTAL_REWARD] = rewards
                 figures["rewards/overlong_penalty/mean"] = float(penalty.mean())
+        if written:
             m.write_to_dataplane(meta, written)
         return Draw(meta, rewards, batch.turn_scores, batch.failed_calls, figures)
 
