@@ -101,27 +101,32 @@ def test_a_trl_style_user_function_gets_conversational_completions_and_the_colum
     assert _score(task, [gold, "x"], [1, 1]).tolist() == [1.0, 0.0]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_trl_rewards_train_three_grpo_steps_with_each_functions_mean_logged(
-        monkeypatch, tmp_path, tiny):
+def _train(monkeypatch, tmp_path, tiny, *overrides: str) -> list[dict]:
+    """``tq-train --config-name grpo task=prompts`` on the tiny model; metrics.csv's rows."""
     _, model, data = tiny
     monkeypatch.setattr(sys, "argv", [
         "grpo", f"hydra.run.dir={tmp_path}", "task=prompts", f"task.path={data}",
-        "model=hf_causal_lm", f"model.pretrained_path={model}", "recipe.num_steps=3",
-        "recipe.ppo_epochs=1", "recipe.prompts_per_step=4", "trainer.enable_progress_bar=false",
-        "recipe.log_completions_every=1", "recipe.loss_type=grpo", "recipe.beta=0.04",
-        "+task.rewards.think._target_=trl.rewards.think_format_reward",
-        "+task.rewards.accuracy._target_=trl.rewards.accuracy_reward",
-        f"+task.rewards.solution._target_={__name__}.solution_match",
-        "task.reward._target_=null"])
+        "model=hf_causal_lm", f"model.pretrained_path={model}", "recipe.ppo_epochs=1",
+        "recipe.prompts_per_step=4", "trainer.enable_progress_bar=false", *overrides])
     GlobalHydra.instance().clear()  # a config another test composed
     try:
         cli.main(config_name="grpo")
     finally:
         GlobalHydra.instance().clear()
     with open(tmp_path / "metrics.csv") as f:
-        rows = list(csv.DictReader(f))
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_trl_rewards_train_three_grpo_steps_with_each_functions_mean_logged(
+        monkeypatch, tmp_path, tiny):
+    rows = _train(monkeypatch, tmp_path, tiny, "recipe.num_steps=3",
+                  "recipe.log_completions_every=1", "recipe.loss_type=grpo", "recipe.beta=0.04",
+                  "+task.rewards.think._target_=trl.rewards.think_format_reward",
+                  "+task.rewards.accuracy._target_=trl.rewards.accuracy_reward",
+                  f"+task.rewards.solution._target_={__name__}.solution_match",
+                  "task.reward._target_=null")
     assert len(rows) == 3
     for name in ("think", "solution"):
         assert all(r[f"rewards/{name}/mean"] != "" for r in rows), name
@@ -173,18 +178,7 @@ def test_reward_figures_and_sample_completions_from_a_reward_log(tmp_path):
 def test_completions_no_reward_applies_to_train_as_unscorable(monkeypatch, tmp_path, tiny):
     """accuracy_reward alone: the rows whose gold answer is not math are unscorable (NaN total
     reward, advantage 0), counted, and the run trains on."""
-    _, model, data = tiny
-    monkeypatch.setattr(sys, "argv", [
-        "grpo", f"hydra.run.dir={tmp_path}", "task=prompts", f"task.path={data}",
-        "model=hf_causal_lm", f"model.pretrained_path={model}", "recipe.num_steps=2",
-        "recipe.ppo_epochs=1", "recipe.prompts_per_step=4", "trainer.enable_progress_bar=false",
-        "task.reward._target_=trl.rewards.accuracy_reward"])
-    GlobalHydra.instance().clear()
-    try:
-        cli.main(config_name="grpo")
-    finally:
-        GlobalHydra.instance().clear()
-    with open(tmp_path / "metrics.csv") as f:
-        rows = list(csv.DictReader(f))
+    rows = _train(monkeypatch, tmp_path, tiny, "recipe.num_steps=2",
+                  "task.reward._target_=trl.rewards.accuracy_reward")
     assert sum(float(r["rewards/unscorable"]) for r in rows) > 0
     assert all(math.isfinite(float(r["loss"])) and math.isfinite(float(r["reward"])) for r in rows)
