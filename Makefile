@@ -16,7 +16,7 @@ endif
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-fast bench sweep tiny-model clean
+.PHONY: install run test test-fast bench sweep tiny-model docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +28,7 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_SPEC)
-	$(PY) -m pip install --quiet -e '.[test,ray,tq,hf,tensorboard,prompts,wandb,mlflow,joblib,trl]'
+	$(PY) -m pip install --quiet -e '.[test,ray,tq,hf,tensorboard,prompts,wandb,mlflow,joblib,docs,serve,trl]'
 	-$(PY) -m pip install --quiet --no-deps --ignore-requires-python nemo-gym==0.7.0
 	$(PY) -m pip install --quiet $(VLLM_SPEC)
 	$(if $(VLLM_BROKEN),$(PY) -m pip uninstall --quiet -y $(VLLM_BROKEN))
@@ -41,15 +41,21 @@ install: $(STAMP)
 run: $(STAMP)
 	$(PY) recipes/ppo.py
 
-# One multirun over the packing settings; the comparison lands in the sweep dir.
+# One multirun over the packing settings; the comparison lands in the sweep dir. The tq_dedup
+# sweeper launches each distinct run once (`none` reads no token budget: 15 jobs, not 18).
 sweep: $(STAMP)
-	$(VENV)/bin/tq-train -m tq/packing=none,sequence_packing,dynamic_batching tq.packing.train_mb_tokens=256,1024 recipe.seed=0,1,2 recipe.num_steps=30
+	$(VENV)/bin/tq-train -m hydra/sweeper=tq_dedup tq/packing=none,sequence_packing,dynamic_batching tq.packing.train_mb_tokens=256,1024 recipe.seed=0,1,2 recipe.num_steps=30
 
 # The text task's data, a tokenizer trained on it and a random-init HF causal LM (no download);
 # the last line printed is the model dir (TINY_OUT/model).
 TINY_OUT ?= outputs/tiny_text
 tiny-model: $(STAMP)
 	$(PY) -m tq_plugin.rl.tasks.tiny_text --out $(TINY_OUT)
+
+# The documentation site (mkdocs.yml) into site/, warnings as errors; open site/index.html.
+# `make test` builds it too (tests/docs/test_site.py) and runs every example in the pages.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -66,4 +72,4 @@ gpu-check: $(STAMP)
 	$(PY) -m benchmarks.gpu_check
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info outputs multirun lightning_logs
+	rm -rf $(VENV) build dist *.egg-info outputs multirun lightning_logs site

@@ -1,5 +1,6 @@
 """The rollout side of the recipes: engines behind one seam, the multi-turn rollout worker that
-stages every engine call, and what an engine takes weights through.
+stages every engine call, the OpenAI-compatible agent endpoint that stages every call an
+agent makes (``AgentEndpoint``, the ``serve`` extra), and what an engine takes weights through.
 
 Layering: ``tq_plugin.rl`` → ``tq_plugin.rollout`` → ``tq_plugin.lightning`` → staging → data
 plane → config. Nothing here imports ``tq_plugin.rl``: an engine gets the policy module (or its
@@ -14,7 +15,8 @@ from tq_plugin.rollout.engine import (
     SamplingParams,
 )
 from tq_plugin.rollout.engines import ENGINES, build_engine
+from tq_plugin.rollout.openai_server import AgentEndpoint  # FastAPI is imported when it starts
 from tq_plugin.rollout.worker import RolloutBatch, RolloutWorker
 
-__all__ = ["ENGINES", "Completion", "EngineError", "NamedWeights", "RolloutBatch", "RolloutEngine",
-           "RolloutWorker", "SamplingParams", "build_engine"]
+__all__ = ["ENGINES", "AgentEndpoint", "Completion", "EngineError", "NamedWeights", "RolloutBatch",
+           "RolloutEngine", "RolloutWorker", "SamplingParams", "build_engine"]
