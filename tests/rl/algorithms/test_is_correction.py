@@ -38,10 +38,12 @@ RATIOS = [[None, 1.5, 0.25, 3.0, 1.0], [None, 0.8, 1.25, None, None],
 EXPECTED = {  # mode -> weights (1 off the mask), cap 2, band [0.5, 2]
     "none": [[1, 1, 1, 1, 1], [1, 1, 1, 1, 1], [1, 1, 1, 1, 1], [1, 1, 1, 1, 1]],
     "token_tis": [[1, 1.5, 0.25, 2, 1], [1, 0.8, 1.25, 1, 1], [1, 2, 2, 1, 1], [1, 0.3, 0.5, 1, 1]],
+    # AReaL's decoupled objective: the behaviour policy only in the capped weight pi_prox/pi_behav
+    "decoupled": [[1, 1.5, 0.25, 2, 1], [1, 0.8, 1.25, 1, 1], [1, 2, 2, 1, 1], [1, 0.3, 0.5, 1, 1]],
     "icepop": [[1, 1.5, 0, 0, 1], [1, 0.8, 1.25, 1, 1], [1, 0, 0, 1, 1], [1, 0, 0.5, 1, 1]],
     "seq_mask_tis": [[1, 1.5, 0.25, 2, 1], [1, 0.8, 1.25, 1, 1], [1, 0, 0, 1, 1], [1, 0, 0, 1, 1]],
 }
-MASKED = {"none": 0, "token_tis": 0, "icepop": 5, "seq_mask_tis": 4}
+MASKED = {"none": 0, "token_tis": 0, "decoupled": 0, "icepop": 5, "seq_mask_tis": 4}
 
 
 def _columns():

@@ -286,6 +286,10 @@ def is_correction_weights(prev_logprobs: torch.Tensor, generation_logprobs: torc
     """``(weights, masked)`` per token of ``recipe.is_correction.mode``, ``r = pi_old / pi_gen``.
 
     * ``token_tis``: ``min(r, cap)``;
+    * ``decoupled``: AReaL's decoupled objective, by name. The clip is taken against the proximal
+      policy (``pi_old``: the trainer's logprobs at the start of the step, ``prev_logprobs``)
+      and the behaviour policy (``pi_gen``) enters only through the capped weight
+      ``min(pi_old / pi_gen, cap)``: the weights ``token_tis`` computes, here by their name;
     * ``seq_mask_tis``: ``min(r, cap)``, 0 on every token of a sequence whose ratio leaves
       ``[low, high]``. A sequence's ratio is the geometric mean of its action tokens' ``r``
       (``exp`` of their mean log-ratio), so the band means the same at every length: the
@@ -306,7 +310,7 @@ def is_correction_weights(prev_logprobs: torch.Tensor, generation_logprobs: torc
     log_low, log_high = math.log(low), math.log(high)
     if mode == "none":
         return ones, torch.zeros_like(on)
-    if mode == "token_tis":
+    if mode in ("token_tis", "decoupled"):
         return truncated_is_weights(prev_logprobs, generation_logprobs, mask, cap), torch.zeros_like(on)
     if mode == "icepop":
         keep = (log_ratio >= log_low) & (log_ratio <= log_high)
@@ -316,8 +320,8 @@ def is_correction_weights(prev_logprobs: torch.Tensor, generation_logprobs: torc
         keep = (seq >= log_low) & (seq <= log_high)
         weights = truncated_is_weights(prev_logprobs, generation_logprobs, mask, cap)
     else:
-        raise ValueError(f"is_correction_weights: mode must be one of token_tis, seq_mask_tis, "
-                         f"icepop, none; got {mode!r}")
+        raise ValueError(f"is_correction_weights: mode must be one of token_tis, decoupled, "
+                         f"seq_mask_tis, icepop, none; got {mode!r}")
     masked = on & ~keep
     return torch.where(masked, torch.zeros_like(weights), torch.where(on, weights, ones)), masked
 
