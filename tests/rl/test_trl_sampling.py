@@ -105,3 +105,44 @@ def test_the_loss_family_trains_end_to_end(monkeypatch, tmp_path, overrides):
         assert all(float(r["sampling/draws"]) >= 1 for r in rows)
     else:
         assert all(float(r["kl_ref"]) == 0 for r in rows)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"loss_type": "gspo"}, (r"recipe.loss_type: must be one of \['grpo', 'dr_grpo', 'dapo', "
+                            r"'bnpo', 'cispo'\]")),
+    ({"importance_sampling_level": "seq"}, "recipe.importance_sampling_level: must be one of"),
+    ({"scale_rewards": "std"}, "recipe.scale_rewards: must be one of"),
+    ({"kl_estimator": "k4"}, "recipe.kl_estimator: must be one of"),
+    ({"cispo_cap": 0.2}, "recipe.cispo_cap: must be >= 1.0"),
+    ({"beta": -0.1}, "recipe.beta: must be >= 0"),
+    ({"overlong_buffer": 8}, r"recipe.overlong_buffer: must be below recipe.max_new_tokens \(8\)"),
+    ({"reference_path": "x.safetensors"}, "recipe.reference_path: is read only with recipe.beta > 0"),
+    ({"algorithm": "ppo", "dynamic_sampling": True}, "recipe.dynamic_sampling: needs recipe.algorithm=grpo"),
+    ({"topology": "disaggregated", "beta": 0.04}, "recipe.beta: runs on recipe.topology=colocated only"),
+])
+def test_a_bad_loss_family_key_is_a_config_error_naming_it(overrides, message):
+    from tq_plugin.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        RecipeConfig(**{"algorithm": "grpo", **overrides})
+
+
+def test_the_reference_is_a_frozen_copy_or_the_weights_reference_path_names(tmp_path):
+    from tq_plugin.config import ConfigError
+    from tq_plugin.rl.models.tiny import TinyTransformer
+    from tq_plugin.rl.models.weights import save_weights
+    from tq_plugin.rl.training.module import build_reference
+
+    torch.manual_seed(0)
+    policy, other = TinyTransformer(16, d_model=8, n_layers=1, n_heads=2), \
+        TinyTransformer(16, d_model=8, n_layers=1, n_heads=2)
+    copy_ = build_reference(policy, RecipeConfig(algorithm="grpo", beta=0.04))
+    assert all(torch.equal(a, b) for a, b in zip(copy_.parameters(), policy.parameters()))
+    assert not any(p.requires_grad for p in copy_.parameters())
+    path = save_weights(other, tmp_path / "policy.safetensors", role="policy")
+    loaded = build_reference(policy, RecipeConfig(algorithm="grpo", beta=0.04,
+                                                  reference_path=str(path)))
+    assert all(torch.equal(a, b) for a, b in zip(loaded.parameters(), other.parameters()))
+    with pytest.raises(ConfigError, match="recipe.reference_path: .* must be a policy.safetensors"):
+        build_reference(policy, RecipeConfig(algorithm="grpo", beta=0.04,
+                                             reference_path=str(tmp_path / "missing")))

@@ -205,6 +205,12 @@ class RecipeConfig:
                   "recipe.topology=colocated (groups are drawn where the trainer generates)")
         if self.reference_path is not None and not self.beta:
             _fail("recipe.reference_path", "is read only with recipe.beta > 0")
+        if self.topology != "colocated":  # the disaggregated step source has neither pass yet
+            for key in ("beta", "mask_truncated_completions", "overlong_buffer"):
+                if getattr(self, key):
+                    _fail(f"recipe.{key}", "runs on recipe.topology=colocated only (the "
+                          "reference pass and the reward shaping are the colocated step "
+                          "source's)")
 
     @property
     def is_cap(self) -> float:
