@@ -6,15 +6,20 @@ dynamic batching, or one ``packed`` row with ``position_ids``/``segment_ids``); 
 supplies the pad-target minting and the column reads/writes of the pre-training passes.
 
 A global batch may be cut into a different number of microbatches under each packing mode, so
-every microbatch's loss is a token *sum* divided by the global batch's action-token count, and
-``MetaBatchMixin`` accumulates gradients over the global batch's microbatches (automatic
-optimization, one optimizer step per global batch). The update is therefore the same whatever
-the packing; only its cost changes.
+every microbatch's loss is a *sum* divided by its global batch's normaliser, computed when the
+step was prepared (the step record's ``loss_norm``: action tokens, sequences or sequences x the
+longest completion, by ``recipe.loss_type``), and ``MetaBatchMixin`` accumulates gradients over
+the global batch's microbatches (automatic optimization, one optimizer step per global batch).
+The update is therefore the same whatever the packing; only its cost changes (``bnpo``, TRL's
+per-batch token mean, is the one type that depends on the cut, as it does in TRL).
 
-The loss is :mod:`tq_plugin.rl.algorithms.losses`' clipped policy-gradient term (weighted by
-the importance-sampling correction where ``correct_is``: disaggregated workers' older weights,
-an engine's other kernels), PPO's clipped value loss and the entropy bonus. ``clipfrac`` counts
-the action tokens whose ratio the clamp changed, ``approx_kl`` is the mean of ``r - 1 - log r``.
+The loss is :func:`tq_plugin.rl.algorithms.losses.policy_objective`: ``recipe.loss_type``'s
+per-token terms (weighted by the importance-sampling correction where ``correct_is``:
+disaggregated workers' older weights, an engine's other kernels), plus ``beta`` times the KL to
+the frozen reference (``recipe.beta > 0``: ``ref_logprobs``, written by the no-grad pass); then
+PPO's clipped value loss (a token mean) and the entropy bonus. ``clipfrac`` counts the action
+tokens whose ratio the clamp changed, ``clip_low`` / ``clip_high`` those whose gradient either
+clip took, ``approx_kl`` is the mean of ``r - 1 - log r``, ``kl_ref`` the mean reference KL.
 """
 
 from __future__ import annotations
@@ -148,7 +153,7 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         self.train_seconds = 0.0
         # Set by the recipe's step callback before each microbatch trains, from the step's meta
         # (read per microbatch: the meta, not the module, holds each step's values).
-        self.loss_norm = 1.0  # action tokens of one global batch (per rank)
+        self.loss_norm = 1.0  # recipe.loss_type's normaliser of one global batch (per rank)
         self.current_reward = 0.0  # the step's mean rollout reward, logged as rl/reward
         self._gb_stats: dict[str, float] = {}
 
