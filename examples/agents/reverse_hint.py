@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import openai
+
 HINT_TOOL = {
     "type": "function",
     "function": {
@@ -51,8 +53,11 @@ async def solve(client: Any, row: dict, *, max_turns: int = 3) -> dict:
         {"role": "user", "content": row["prompt"]}]
     target, answer, hints = row["answer"], "", 0
     for turn in range(max_turns):
-        reply = await client.chat.completions.create(
-            model="policy", messages=messages, tools=[HINT_TOOL])  # max_tokens: the recipe's
+        try:
+            reply = await client.chat.completions.create(
+                model="policy", messages=messages, tools=[HINT_TOOL])  # max_tokens: the recipe's
+        except openai.BadRequestError:  # the conversation outgrew the model's context: stop here
+            break
         message = reply.choices[0].message
         if message.tool_calls:  # the model asked for a hint: answer the tool call
             messages.append({"role": "assistant", "content": message.content or "",

@@ -292,17 +292,18 @@ class AgentTaskConfig:
     # A local tokenizer directory with a chat template; the config's default is the model's.
     tokenizer: str | None = None
     # {_target_: the agent function, any other key: its keyword arguments}.
-    agent: Any = field(default_factory=dict)
+    agent: Any = field(default_factory=lambda: {"_target_": None})
     # Rollouts in flight at once (each one agent loop).
     concurrency: int = 8
     # The longest a rollout may grow (prompt, every call and its answer): the endpoint refuses
-    # a call past it; the model's max_seq_len must hold it.
-    max_context: int = 1024
+    # a call past it (a 400 the agent sees). None: the model's context (model.max_seq_len).
+    max_context: int | None = None
     shuffle: bool = True
 
     def __post_init__(self) -> None:
         _positive("task.concurrency", self.concurrency)
-        _positive("task.max_context", self.max_context)
+        if self.max_context is not None:
+            _positive("task.max_context", self.max_context)
         if not isinstance(self.agent, dict):
             _fail("task.agent", f"must be a {{_target_, ...keyword arguments}} node, got "
                   f"{self.agent!r}")

@@ -143,3 +143,36 @@ def test_the_example_agent_runs_multi_turn(tiny, tmp_path, monkeypatch):
     finally:
         runner.close()
         engine.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tq_train_trains_the_example_agent(tiny, tmp_path, monkeypatch):
+    """The issue's command, small: every call staged and verified, the counts in metrics.csv."""
+    import csv
+    import json
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    from tq_plugin import cli
+
+    data, model = tiny
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    GlobalHydra.instance().clear()
+    monkeypatch.setattr(sys, "argv", [
+        "grpo", "task=agent", f"task.path={data / 'train.jsonl'}",
+        "task.agent._target_=reverse_hint.solve", "model=hf_causal_lm",
+        f"model.pretrained_path={model}", "engine=hf", "recipe.num_steps=2",
+        "recipe.prompts_per_step=2", "recipe.group_size=2", "recipe.ppo_epochs=1",
+        f"hydra.run.dir={tmp_path}"])
+    try:
+        cli.main(config_name="grpo")
+    finally:
+        GlobalHydra.instance().clear()
+    assert json.loads((tmp_path / "result.json").read_text())["steps"] == 2
+    with open(tmp_path / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    for row in rows:
+        assert float(row["agent/rollouts_closed"]) == 4 and float(row["agent/rollouts_poisoned"]) == 0
+        assert float(row["agent/calls_staged"]) >= 4 and int(row["failed_calls"]) == 0
+        assert float(row["logprob_gap"]) < 1e-4  # the rows are the tokens the engine sampled

@@ -87,7 +87,8 @@ class AgentTask:
     turns = 1  # one reward per rollout
 
     def __init__(self, *, path: str, agent: Mapping[str, Any], prompt_key: str = "prompt",
-                 tokenizer: str | None = None, concurrency: int = 8, max_context: int = 1024,
+                 tokenizer: str | None = None, concurrency: int = 8,
+                 max_context: int | None = None,
                  shuffle: bool = True, name: str = "agent", media: bool = False,
                  seed: int = 0) -> None:
         if media:
@@ -97,7 +98,7 @@ class AgentTask:
                               "csv): one row per problem, handed to the agent whole")
         if concurrency < 1:
             raise ConfigError(f"task.concurrency: must be >= 1, got {concurrency}")
-        if max_context < 2:
+        if max_context is not None and max_context < 2:
             raise ConfigError(f"task.max_context: must be >= 2, got {max_context}")
         self.name, self.prompt_key = name, prompt_key
         self.agent, self.agent_name = load_agent(agent)
@@ -120,9 +121,15 @@ class AgentTask:
         return None
 
     def max_sequence_length(self, max_new_tokens: int) -> int:
-        """What one rollout may grow to (``task.max_context``): the endpoint refuses a call
-        past it, so no training row is longer."""
-        return self.max_context
+        """What one rollout may grow to: ``task.max_context``, else its first call (the longest
+        prompt and ``max_new_tokens``); past the model's context the endpoint refuses a call
+        (a 400 the agent sees), so no training row is longer than the model takes."""
+        if self.max_context is not None:
+            return self.max_context
+        from tq_plugin.rl.tasks.prompts import render
+
+        longest = max(len(render(self.tokenizer, r[self.prompt_key])) for r in self.rows)
+        return longest + max_new_tokens
 
     def check_recipe(self, recipe: Any) -> None:
         """Refuse what one reward per rollout cannot train."""
@@ -140,17 +147,22 @@ class AgentTask:
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         self.stream.load_state_dict(state)
 
-    def rollout_driver(self, sink: Any, *, max_new_tokens: int, **_: Any) -> AgentRunner:
-        """What drives this task's rollouts on an engine (the builder asks for it)."""
-        return AgentRunner(self, sink, max_new_tokens=max_new_tokens)
+    def rollout_driver(self, sink: Any, *, max_new_tokens: int, max_model_len: int | None = None,
+                       **_: Any) -> AgentRunner:
+        """What drives this task's rollouts on an engine (the builder asks for it): calls stay
+        within ``task.max_context``, else the model's ``max_model_len``."""
+        return AgentRunner(self, sink, max_new_tokens=max_new_tokens,
+                           max_model_len=self.max_context or max_model_len)
 
 
 class AgentRunner:
     """Runs a step's agent rollouts through an :class:`AgentEndpoint` over the engine; the
     ``RolloutWorker`` interface (``run``) the step sources call."""
 
-    def __init__(self, task: AgentTask, sink: Any, *, max_new_tokens: int) -> None:
+    def __init__(self, task: AgentTask, sink: Any, *, max_new_tokens: int,
+                 max_model_len: int | None = None) -> None:
         self.task, self.sink, self.max_new_tokens = task, sink, max_new_tokens
+        self.max_model_len = max_model_len
         self.endpoint: Any = None
         self.figures: dict[str, float] = {}
 
@@ -163,7 +175,7 @@ class AgentRunner:
             self.endpoint = AgentEndpoint(
                 engine, self.sink, self.task.tokenizer, stop_token_ids=[self.task.eos_token_id],
                 default_max_tokens=self.max_new_tokens, max_tokens_limit=self.max_new_tokens,
-                max_model_len=self.task.max_context, seed=seed)
+                max_model_len=self.max_model_len, seed=seed)
             self.endpoint.start()
         return self.endpoint
 
@@ -178,6 +190,7 @@ class AgentRunner:
         counts = {k: after.get(k, 0) - before.get(k, 0) for k in after}
         rewards = torch.tensor([reward for _, reward, _ in results], dtype=torch.float32)
         self.figures = {"agent/calls_staged": float(counts.get("calls_staged", 0)),
+                        "agent/rollouts_closed": float(counts.get("rollouts_closed", 0)),
                         "agent/rollouts_poisoned": float(counts.get("rollouts_poisoned", 0)),
                         "agent/branches": float(counts.get("branches", 0))}
         for key in sorted({k for _, _, figs in results for k in figs}):

@@ -79,7 +79,8 @@ def build_rollout_side(cfg: DictConfig, task: Any, client: Any) -> RolloutSide:
     sink = instantiate(cfg.tq.staging)(client)
     if hasattr(task, "rollout_driver"):  # a task that drives its own rollouts (task=agent)
         rollout = task.rollout_driver(sink, temperature=rc.temperature,
-                                      max_new_tokens=rc.max_new_tokens)
+                                      max_new_tokens=rc.max_new_tokens,
+                                      max_model_len=int(cfg.model.max_seq_len))
     else:
         rollout = RolloutWorker(task=task, sink=sink, temperature=rc.temperature,
                                 max_new_tokens=rc.max_new_tokens, stop_token_id=task.eos_token_id,

@@ -164,7 +164,11 @@ class Colocated:
         return evaluate(self.task, self.engine, max_new_tokens=self.rc.max_new_tokens)
 
     def close(self) -> None:
-        """Release the engine (idempotent)."""
+        """Release the task's own rollout driver (an agent endpoint) and the engine
+        (idempotent)."""
+        driver_close = getattr(getattr(self.side, "rollout", None), "close", None)
+        if driver_close is not None:
+            driver_close()
         engine, self.engine = self.engine, None
         if engine is not None:
             engine.close()
@@ -195,7 +199,9 @@ class Colocated:
         m.write_advantages(meta)
         actions, lp_gap = action_tokens_and_gap(m.read_from_dataplane(
             meta, select_fields=list(GAP_FIELDS)))
-        figures = batch.figures | self.reward_log(step)
+        figures = (batch.figures | self.reward_log(step)
+                   | getattr(self.side.rollout, "figures", {})  # a task's own driver (agent/*)
+                   | {f"eval/{k}": float(v) for k, v in evaluated.items()})
         rewards = batch.rewards.nan_to_num(0.0)  # the metrics' reward: unscorable rows count 0
         meta.extra_info[RL_STEP] = step_record(
             actions=actions, minibatches=rc.minibatches, rewards=rewards.tolist(),

@@ -175,6 +175,8 @@ def worker_main(spec: WorkerSpec, *, stop: StopSignal) -> None:
         try:
             _serve(spec, stop, task, _Weights(spec.client, policy, engine), side)
         finally:
+            if hasattr(side.rollout, "close"):  # a task's own driver (task=agent's endpoint)
+                side.rollout.close()
             engine.close()
 
 

@@ -43,8 +43,9 @@ def route_step_lines(*, terminal: bool) -> None:
                 handler.removeFilter(f)
 
 
-# Third-party loggers whose records go to the run dir's ``engines.log`` unless ``verbose=true``.
-QUIET_LOGGERS = ("vllm", "ray", "transfer_queue")
+# Third-party loggers whose records go to the run dir's ``engines.log`` unless ``verbose=true``
+# (the engines, Ray, TransferQueue, and the HTTP stack of task=agent's endpoint and clients).
+QUIET_LOGGERS = ("vllm", "ray", "transfer_queue", "httpx", "httpx2", "httpcore", "openai", "uvicorn")
 ENGINE_LOG = "engines.log"
 
 
