@@ -146,3 +146,15 @@ def test_the_hf_engine_serves_the_pretrained_policy(monkeypatch, tmp_path, tiny)
     # The engine serves the policy loaded from model.pretrained_path: its logprobs are the trainer's.
     assert summary["max_logprob_gap"] < 1e-3
     assert set(summary["eval"]) == {"reward", "accuracy"}
+
+
+def test_eval_every_without_held_out_prompts_is_refused_at_start(tmp_path, tiny):
+    """A setting that would silently do nothing: no eval would ever be logged."""
+    from tq_plugin.config import ConfigError
+
+    _, task = tiny
+    no_eval = [o for o in task if not o.startswith("task.eval_path")]
+    with pytest.raises(ConfigError, match="recipe.eval_every: task=prompts holds no held-out "
+                                          "prompts to evaluate: set task.eval_path"):
+        _recipe(tmp_path, no_eval, "recipe.eval_every=2")
+    assert not (tmp_path / "metrics.csv").exists()

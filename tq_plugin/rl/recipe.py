@@ -59,7 +59,7 @@ from tq_plugin.rl.topology.colocated import Colocated, RolloutStream
 from tq_plugin.rl.topology.disaggregated import AsyncMetricsLog, Disaggregated
 from tq_plugin.rl.training import console, ranks
 from tq_plugin.rl.training.callbacks import PeriodicCheckpoint, RLStepCallback, SigtermStop
-from tq_plugin.rl.training.evaluation import EVAL, EvalLog
+from tq_plugin.rl.training.evaluation import EVAL, EvalLog, evaluates
 from tq_plugin.rl.training.metrics import RESULT_FILE, MetricsLog
 from tq_plugin.rl.training.module import RLModule
 from tq_plugin.rollout import EngineError
@@ -134,6 +134,11 @@ class RLRecipe:
         self.task = build_task(self.cfg)
         if hasattr(self.task, "check_recipe"):  # a task may refuse settings it cannot train
             self.task.check_recipe(self.rc)
+        if self.rc.eval_every and not evaluates(self.task):  # it would log no eval at all
+            raise ConfigError(
+                f"recipe.eval_every: task={getattr(self.task, 'name', '?')} holds no held-out "
+                f"prompts to evaluate: set task.eval_path (a file) or task.eval_size (rows held "
+                f"out of task.path), or drop recipe.eval_every")
         # One rollout stream for the run, the same on every rank (see tq_plugin.rl.training.ranks).
         self.rollouts = RolloutStream(self.rc.seed)
         self.summary: dict[str, Any] | None = None

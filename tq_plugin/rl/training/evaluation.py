@@ -24,6 +24,12 @@ from tq_plugin.rollout import SamplingParams
 EVAL = "eval"
 
 
+def evaluates(task: Any) -> bool:
+    """Whether ``task`` has held-out prompts to evaluate (``task.evaluate``, and for a dataset
+    task, held-out rows: ``task.eval_path`` or ``task.eval_size``)."""
+    return hasattr(task, "evaluate") and bool(getattr(task, "eval_rows", True))
+
+
 def evaluate(task: Any, engine: Any, *, max_new_tokens: int) -> dict[str, float]:
     """``task.evaluate`` over ``engine``'s greedy completions (``{}``: the task holds none)."""
     if engine is None or not hasattr(task, "evaluate"):
@@ -60,4 +66,4 @@ class EvalLog(Callback):
                                    step=trainer.global_step)
 
 
-__all__ = ["EVAL", "EvalLog", "evaluate"]
+__all__ = ["EVAL", "EvalLog", "evaluate", "evaluates"]
