@@ -210,3 +210,55 @@ def test_last_action_tokens_find_each_rows_last_generated_id():
     mask = torch.tensor([[0, 1, 1, 0], [0, 1, 0, 1], [0, 0, 0, 0]])
     ids = torch.tensor([[5, 6, 7, 0], [5, 8, 9, 2], [5, 5, 5, 5]])
     assert last_action_tokens(mask, ids).tolist() == [7, 2, -1]
+
+
+class _Uniform(torch.nn.Module):
+    """A policy whose every token has log-prob -ln 4 (logits 0 over 4 tokens)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.zeros(4))
+
+    def forward(self, input_ids: torch.Tensor, **_: object) -> torch.Tensor:
+        return self.bias.expand(*input_ids.shape, 4)
+
+
+def _module_loss(loss_type: str, norm: float, **recipe) -> float:
+    """RLModule.training_step on the fixture's two sequences (a prompt token first), with the
+    policy's own logprobs as prev_logprobs (ratio 1) and ``norm`` as the step's normaliser."""
+    from tq_plugin.config import PackingConfig, RecipeConfig
+    from tq_plugin.data_plane import (
+        ADVANTAGES,
+        GENERATION_LOGPROBS,
+        INPUT_IDS,
+        INPUT_LENGTHS,
+        PREV_LOGPROBS,
+        SAMPLE_MASK,
+        TOKEN_MASK,
+    )
+    from tq_plugin.rl.training.module import RLModule
+    from tq_plugin.rl.training.step_record import REF_LOGPROBS
+
+    rc = RecipeConfig(algorithm="grpo", loss_type=loss_type, **recipe)
+    m = RLModule(policy=_Uniform(), value=None, recipe=rc, packing=PackingConfig())
+    m.loss_norm = norm
+    mask = torch.cat([torch.zeros(2, 1), MASK], dim=1)
+    lp = torch.full((2, 5), -math.log(4.0)) * mask
+    td = {INPUT_IDS: torch.zeros(2, 5, dtype=torch.int64), INPUT_LENGTHS: torch.tensor([2, 4]),
+          TOKEN_MASK: mask, SAMPLE_MASK: torch.ones(2), PREV_LOGPROBS: lp,
+          GENERATION_LOGPROBS: lp, ADVANTAGES: torch.cat([torch.zeros(2, 1), ADV], dim=1),
+          REF_LOGPROBS: (lp - 0.5) * mask}
+    return float(m.training_step(td, 0)["loss"].detach())
+
+
+def test_the_training_step_calls_the_loss_types_aggregation():
+    assert _module_loss("grpo", norm=2.0) == pytest.approx(-1.5)
+    assert _module_loss("dapo", norm=4.0) == pytest.approx(-1.25)
+    assert _module_loss("dr_grpo", norm=8.0) == pytest.approx(-0.625)
+
+
+def test_the_training_step_adds_beta_times_the_reference_kl():
+    # log pi_ref = log pi - 0.5 on every action token: k3 = e^-0.5 + 0.5 - 1 per token.
+    k3 = math.exp(-0.5) - 0.5
+    got = _module_loss("dapo", norm=4.0, beta=0.1)
+    assert got == pytest.approx(-1.25 + 0.1 * k3)
