@@ -43,6 +43,7 @@ from typing_extensions import override
 from tq_plugin.config import ConfigError
 from tq_plugin.rl.tasks.pattern import Episode
 from tq_plugin.rl.tasks.rewards import Reward, RewardCall, TrainerState, combine, load_rewards
+from tq_plugin.rl.tasks.stream import PromptStream
 
 FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 # A completion at least this rewarded counts as correct (eval/accuracy).
@@ -214,8 +215,7 @@ class PromptTask:
                              for t in (feedback_bad, feedback_good)]
         self.image_token_id = None
         self.seed, self.shuffle = seed, shuffle
-        self.epoch, self.cursor = 0, 0
-        self._order = self._epoch_order()
+        self.stream = PromptStream(len(self.rows), seed=seed, shuffle=shuffle)
         # Set by the step source before each step's rollouts (trainer_state.global_step).
         self.trainer_state = TrainerState()
         self.reward_log: list[dict[str, Any]] = []
@@ -237,35 +237,15 @@ class PromptTask:
         feedback = max(len(f) for f in self.feedback_ids)
         return longest + self.turns * max_new_tokens + (self.turns - 1) * feedback
 
-    def _epoch_order(self) -> list[int]:
-        if not self.shuffle:
-            return list(range(len(self.rows)))
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        return torch.randperm(len(self.rows), generator=g).tolist()
-
     def next_rows(self, n: int) -> list[int]:
-        """The next ``n`` row numbers of the shuffle (a new shuffle each epoch)."""
-        out = []
-        while len(out) < n:
-            if self.cursor == len(self._order):
-                self.epoch, self.cursor = self.epoch + 1, 0
-                self._order = self._epoch_order()
-            take = min(n - len(out), len(self._order) - self.cursor)
-            out += self._order[self.cursor:self.cursor + take]
-            self.cursor += take
-        return out
+        """The next ``n`` row numbers of the run's prompt stream (a new shuffle each epoch)."""
+        return self.stream.next_rows(n)
 
     def seek(self, position: int) -> None:
-        """Put the cursor at ``position`` of the run's prompt stream (the shuffles of every
-        epoch, one after the other): a disaggregated worker draws the rows of its ticket's slot
-        this way, whichever worker runs it and however often it is ordered."""
-        if position < 0:
-            raise ValueError(f"seek: position must be >= 0, got {position}")
-        epoch, cursor = divmod(position, len(self.rows))
-        if epoch != self.epoch:
-            self.epoch = epoch
-            self._order = self._epoch_order()
-        self.cursor = cursor
+        """Put the cursor at ``position`` of the run's prompt stream: a disaggregated worker
+        draws the rows of its ticket's slot this way, whichever worker runs it and however
+        often it is ordered."""
+        self.stream.seek(position)
 
     def sample(self, n: int, generator: torch.Generator) -> list[Episode]:
         """``n`` episodes from the shuffle (``generator`` is not drawn from: the cursor is the
@@ -346,14 +326,10 @@ class PromptTask:
                 "accuracy": sum(r >= CORRECT for r in rewards) / len(rewards)}
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "cursor": self.cursor, "rows": len(self.rows)}
+        return self.stream.state_dict()
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
-        if state["rows"] != len(self.rows):
-            raise ConfigError(f"task.path: the checkpoint's dataset had {state['rows']} rows, "
-                              f"this one has {len(self.rows)}")
-        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
-        self._order = self._epoch_order()
+        self.stream.load_state_dict(state)
 
 
 class TaskState(Callback):
