@@ -60,6 +60,7 @@ gradient (the plain ``-(p * log p).sum()`` gives nan there). The backward is onc
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -144,6 +145,19 @@ def _grad_logits(z: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
     return grad
 
 
+
+def _saved_outputs(ctx: Any, saved: list[torch.Tensor], lp: torch.Tensor,
+                   ent: torch.Tensor | None, *, entropy_grad: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Save ``saved`` (and the entropy, when its gradient is wanted) for backward; the entropy
+    is marked non-differentiable when it is only a metric."""
+    if entropy_grad:
+        saved.append(ent)
+    ctx.save_for_backward(*saved)
+    if ent is not None and not entropy_grad:
+        ctx.mark_non_differentiable(ent)
+    return lp, ent
+
 class _Projection:
     """The per-chunk tempered float logits ``(h @ W.T + b).float() / temperature``."""
 
@@ -201,14 +215,7 @@ class _HiddenLogprobs(torch.autograd.Function):
         ctx.chunk, ctx.temperature, ctx.cdtype = chunk, temperature, cdtype
         ctx.has_bias, ctx.entropy_grad = bias is not None, entropy_grad
         saved = [hidden, weight, targets, lse] + ([bias] if bias is not None else [])
-        if entropy_grad:
-            saved.append(ent)
-        ctx.save_for_backward(*saved)
-        if ent is None:
-            return lp, None
-        if not entropy_grad:
-            ctx.mark_non_differentiable(ent)
-        return lp, ent
+        return _saved_outputs(ctx, saved, lp, ent, entropy_grad=entropy_grad)
 
     @staticmethod
     @once_differentiable
@@ -333,14 +340,7 @@ class _LogitsLogprobs(torch.autograd.Function):
         ctx.chunk, ctx.temperature = chunk, temperature
         ctx.has_rows, ctx.entropy_grad = rows is not None, entropy_grad
         saved = [logits, targets, lse] + ([rows] if rows is not None else [])
-        if entropy_grad:
-            saved.append(ent)
-        ctx.save_for_backward(*saved)
-        if ent is None:
-            return lp, None
-        if not entropy_grad:
-            ctx.mark_non_differentiable(ent)
-        return lp, ent
+        return _saved_outputs(ctx, saved, lp, ent, entropy_grad=entropy_grad)
 
     @staticmethod
     @once_differentiable
