@@ -15,7 +15,8 @@ import sys
 from benchmarks._common import machine
 
 MODULES = ["bench_data_plane", "bench_backends", "bench_packing", "bench_lightning", "bench_staging",
-           "bench_topology", "bench_engines", "bench_fsdp", "bench_logprobs", "soak", "reliability",
+           "bench_topology", "bench_engines", "bench_fsdp", "bench_logprobs",
+           "bench_real_shapes", "soak", "reliability",
            "async_resume"]
 HERE = pathlib.Path(__file__).parent
 

@@ -18,6 +18,11 @@ generator and the finished steps' metrics, so ``ckpt_path=...`` resumes a run to
 ``recipe.checkpoint_every=K`` also saves ``checkpoints/last.ckpt`` every K RL steps
 (``PeriodicCheckpoint``): what a killed run resumes from.
 
+The trained weights: ``policy.safetensors`` (and ``value.safetensors``) in the run dir; with
+``model=hf_causal_lm`` also ``hf_policy/``, a ``save_pretrained`` directory with the task's
+tokenizer that ``AutoModelForCausalLM.from_pretrained`` and ``vllm.LLM`` load as it is
+(``recipe.save_hf_every=K``: ``checkpoints/hf-step-<n>/`` every K RL steps too).
+
 Under DDP (``trainer=ddp_cpu``) each rank trains on its length-balanced shard of the same global
 batch one process would train on; ``tq_plugin.rl.training.ranks`` says how the step is split per backend.
 """
