@@ -65,6 +65,7 @@ from tq_plugin.rl.models.fsdp import shard_model
 from tq_plugin.rl.models.protocol import TokenScoring, score_tokens
 from tq_plugin.rl.models.tiny import TinyTransformer, shift_values
 from tq_plugin.rl.models.weights import hf_backbone, load_weights
+from tq_plugin.rl.training.evaluation import EVAL
 from tq_plugin.rl.training.metrics import (
     add_is_stats,
     add_stats,
@@ -384,11 +385,15 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         self.log_dict(logged, on_step=True, on_epoch=False, batch_size=batch_size)
         self.log_dict({"rl/reward": float(self.current_reward)},
                       prog_bar=True, on_step=True, on_epoch=False, batch_size=batch_size)
-        # The step's own figures (rewards/<name>/mean and /std, dynamic sampling): step_record.
-        figures = self.dp_meta.extra_info.get(RL_STEP, {}).get(STEP_FIGURES)
-        if figures:
-            self.log_dict({k: float(v) for k, v in figures.items()}, on_step=True,
-                          on_epoch=False, batch_size=batch_size)
+        # The step's own figures (rewards/<name>/mean and /std, dynamic sampling: step_record),
+        # once per RL step, straight to the loggers as the eval figures go (through self.log a
+        # figure would be repeated on later rows); eval/* are EvalLog's to log.
+        figures = {k: float(v) for k, v in
+                   (self.dp_meta.extra_info.get(RL_STEP, {}).get(STEP_FIGURES) or {}).items()
+                   if not k.startswith(f"{EVAL}/")}
+        if figures and info.get("last_in_step") and self.trainer.is_global_zero:
+            for logger in self.trainer.loggers:
+                logger.log_metrics(figures, step=self.trainer.global_step)
 
     @staticmethod
     def _row_values(per_row: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
