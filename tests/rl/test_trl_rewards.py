@@ -134,6 +134,10 @@ def test_trl_rewards_train_three_grpo_steps_with_each_functions_mean_logged(
     assert any(r["rewards/accuracy/mean"] != "" for r in rows)
     assert all(float(r["kl_ref"]) >= 0.0 for r in rows)
     assert all(float(r["rewards/unscorable"]) == 0 for r in rows)  # think applies to every row
+    (log,) = (tmp_path / "lightning_logs").glob("version_*/metrics.csv")
+    with open(log) as f:  # the Lightning loggers get them too, one row per RL step
+        logged = [r for r in csv.DictReader(f) if r.get("rewards/think/mean")]
+    assert len(logged) == 3
     samples = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
     assert {s["step"] for s in samples} == {0, 1, 2}
     assert {"prompt", "completion", "think", "accuracy", "solution", "reward"} <= set(samples[0])
