@@ -231,3 +231,23 @@ def test_policy_and_value_start_from_the_same_pretrained_backbone(tiny):
     embed = policy.backbone.get_input_embeddings().weight
     assert torch.equal(value.backbone.get_input_embeddings().weight, embed)
     assert value(torch.tensor([[1, 2, 3]])).shape == (1, 3)
+
+
+def test_reward_functions_get_trls_arguments_for_each_format(tmp_path, tiny):
+    """Standard data: string prompts and completions; conversational: the message lists and one
+    assistant message each; special tokens skipped when decoding (TRL's batch_decode), the
+    completion ids as generated, the RL step as trainer_state."""
+    plain = _task(write(tmp_path / "p.jsonl", ROWS, "jsonl"), tiny)
+    tok = plain.tokenizer
+    ids = tok("b a", add_special_tokens=False).input_ids
+    with_pad = torch.tensor([[tok.pad_token_id, *ids, tok.bos_token_id]])
+    plain.set_step(4, 10)
+    call = plain.reward_call([plain.rows[0]], with_pad, torch.tensor([len(ids) + 2]))
+    assert call.prompts == ["reverse: a b"] and call.completions == ["b a"]
+    assert call.completion_ids == [[tok.pad_token_id, *ids, tok.bos_token_id]]
+    assert call.columns == {"answer": ["b a"], "level": [1]}
+    assert (call.trainer_state.global_step, call.trainer_state.max_steps) == (4, 10)
+    chat = _task(write(tmp_path / "c.jsonl", reverse_rows(2), "jsonl"), tiny)
+    call = chat.reward_call([chat.rows[0]], with_pad, torch.tensor([len(ids) + 2]))
+    assert call.prompts == [chat.rows[0]["prompt"]]
+    assert call.completions == [[{"role": "assistant", "content": "b a"}]]
