@@ -25,9 +25,9 @@ class _Client:
     def __init__(self) -> None:
         self.cleared: list[str] = []
 
-    def clear_samples(self, ids, partition):
-        assert partition == "train"
-        self.cleared += list(ids)
+    def clear_samples(self, *, partition_id, sample_ids):
+        assert partition_id == "train"
+        self.cleared += list(sample_ids)
 
 
 def _source(draws: list[list[float]], *, prompts: int, max_draws: int) -> tuple[Colocated, _Client]:
