@@ -362,7 +362,11 @@ def test_fsdp_trains_the_one_process_and_the_ddp_update(tmp_path, config, run):
         a, b = load_file(str(one / name)), load_file(str(fsdp / name))
         assert a.keys() == b.keys()
         for key in a:
-            assert torch.allclose(a[key], b[key], atol=1e-5), (name, key)
+            # Adam divides by sqrt(v): a coordinate whose gradient is float noise (summed in
+            # another order over 2 ranks) moves by up to lr either way, so a lone coordinate may
+            # differ by more than the rest; a wrong update would move them all (by ~lr = 3e-3).
+            gap = (a[key] - b[key]).abs()
+            assert float(gap.mean()) < 1e-7 and float(gap.max()) < 1e-4, (name, key)
 
 
 @pytest.mark.slow
