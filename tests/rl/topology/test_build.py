@@ -43,7 +43,7 @@ def test_the_pattern_tasks_side_takes_its_ids_from_the_task():
 def test_a_prompts_tasks_side_takes_the_tokenizers_ids(tiny, tmp_path):
     data, model = tiny
     cfg = _cfg("task=prompts", f"task.path={data / 'train.jsonl'}", "model=hf_causal_lm",
-               f"model.pretrained_path={model}", "model.max_seq_len=128", "engine=hf")
+               f"model.pretrained_path={model}", "model.max_seq_len=64", "engine=hf")
     task = build_task(cfg)
     side = build_rollout_side(cfg, task, LocalDataPlane())
     tok = task.tokenizer

@@ -67,25 +67,32 @@ def test_a_run_off_a_terminal_prints_a_banner_and_one_line_per_step(tmp_path):
     assert not any("it/s" in line for line in lines)  # no progress bar off a terminal
 
 
-def test_engine_logs_go_to_the_run_dir_unless_verbose(tmp_path, monkeypatch, caplog):
+def test_engine_logs_go_to_the_run_dir_unless_verbose(tmp_path, monkeypatch):
     from tq_plugin.rl.training.console import ENGINE_LOG, QUIET_LOGGERS, quiet_third_party_logs
 
     monkeypatch.delenv("VLLM_CONFIGURE_LOGGING", raising=False)
     saved = {n: (logging.getLogger(n).propagate, list(logging.getLogger(n).handlers))
              for n in QUIET_LOGGERS}
+    seen: list[str] = []
+    root_spy = logging.Handler(level=logging.DEBUG)
+    root_spy.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger().addHandler(root_spy)
     try:
-        assert quiet_third_party_logs(tmp_path, verbose=True) is None
-        path = quiet_third_party_logs(tmp_path, verbose=False)
-        quiet_third_party_logs(tmp_path, verbose=False)  # a second run: one handler, not two
-        assert path == tmp_path / ENGINE_LOG
-        with caplog.at_level(logging.INFO):
-            logging.getLogger("vllm.worker").warning("Failed to load weights")
-        assert "Failed to load weights" not in caplog.text  # not on the root's handlers
+        assert quiet_third_party_logs(tmp_path / "run", verbose=True) is None
+        path = quiet_third_party_logs(tmp_path / "run", verbose=False)
+        assert not (tmp_path / "run").exists()  # nothing written before the first record
+        quiet_third_party_logs(tmp_path / "run", verbose=False)  # again: one handler, not two
+        assert path == tmp_path / "run" / ENGINE_LOG
+        logger = logging.getLogger("vllm.tq_test_child")
+        logger.setLevel(logging.INFO)
+        logger.warning("Failed to load weights")
+        assert "Failed to load weights" not in seen  # not on the root's handlers
         assert path.read_text().count("Failed to load weights") == 1
         import os
 
         assert os.environ["VLLM_CONFIGURE_LOGGING"] == "0"
     finally:
+        logging.getLogger().removeHandler(root_spy)
         for name, (propagate, handlers) in saved.items():
             logger = logging.getLogger(name)
             for h in [h for h in logger.handlers if h not in handlers]:

@@ -49,6 +49,18 @@ QUIET_LOGGERS = ("vllm", "ray", "transfer_queue", "httpx", "httpx2", "httpcore",
 ENGINE_LOG = "engines.log"
 
 
+class _LazyFileHandler(logging.FileHandler):
+    """A file handler that creates its file (and folder) at its first record: a run that
+    fails its checks at start leaves nothing behind."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, delay=True)
+
+    def _open(self):
+        Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
+        return super()._open()
+
+
 def quiet_third_party_logs(run_dir: Path, *, verbose: bool) -> Path | None:
     """Send vLLM's, Ray's and TransferQueue's own log records to ``run_dir/engines.log`` instead
     of the console, and switch transformers' progress bars off (``verbose``: leave them as they
@@ -65,8 +77,7 @@ def quiet_third_party_logs(run_dir: Path, *, verbose: bool) -> Path | None:
     if "transformers" in sys.modules:
         sys.modules["transformers"].utils.logging.disable_progress_bar()
     path = Path(run_dir) / ENGINE_LOG
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path)
+    handler = _LazyFileHandler(path)
     handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
     for name in QUIET_LOGGERS:
         logger = logging.getLogger(name)
