@@ -41,8 +41,8 @@ def _policy(seed: int = 0) -> Any:
 
 def generation_and_sync(*, runs: int) -> dict[str, Any]:
     from tq_plugin.config.schema import EngineConfig
-    from tq_plugin.rl.tasks.pattern import EOS
     from tq_plugin.rl.models.weights import engine_weights, write_engine_checkpoint
+    from tq_plugin.rl.tasks.pattern import EOS
     from tq_plugin.rollout import SamplingParams, build_engine
 
     task, policy = _policy()

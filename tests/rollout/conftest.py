@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from tq_plugin.config.schema import EngineConfig
-from tq_plugin.rl.tasks.pattern import EOS, PatternTask
 from tq_plugin.rl.models.weights import write_engine_checkpoint
+from tq_plugin.rl.tasks.pattern import EOS, PatternTask
 from tq_plugin.rollout import build_engine
 
 pytest.importorskip("transformers")

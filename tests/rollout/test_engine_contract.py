@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tq_plugin.rl.tasks.pattern import EOS, SEP
 from tq_plugin.rl.models.weights import engine_weights
+from tq_plugin.rl.tasks.pattern import EOS, SEP
 from tq_plugin.rollout import Completion, RolloutEngine, SamplingParams
 
 from .conftest import TASK, make_policy

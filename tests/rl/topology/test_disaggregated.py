@@ -169,7 +169,7 @@ class Sim:
 
     def _land(self, ids: list[str], rows: list[int], tag: dict, version: int) -> None:
         n = len(rows)
-        self.client.put_samples([ids[i] for i in rows], ROLLOUTS_PARTITION, fields={
+        self.client.put_samples(partition_id=ROLLOUTS_PARTITION, sample_ids=[ids[i] for i in rows], fields={
             INPUT_IDS: torch.zeros(n, 3, dtype=torch.int64),
             INPUT_LENGTHS: torch.full((n,), 3), SAMPLE_MASK: torch.ones(n),
             "turn_rewards": torch.rand(n, 2),
@@ -223,7 +223,9 @@ def _simulate(seed: int, workers: int, staleness: int, prompts: int, steps: int,
         assert figures["prompt_groups"] == list(range(step * prompts, (step + 1) * prompts))
         dropped += figures["rows_dropped_stale"]
         assert not set(ids) & set(client.list_sample_ids(ROLLOUTS_PARTITION))  # moved, not copied
-        local.clear_samples(ids, "train")  # as the DataPlaneCallback does after the step
+        local.clear_samples(
+            partition_id="train", sample_ids=ids
+        )  # as the DataPlaneCallback does after the step
         sim.published = step  # step - 1's last microbatch trains after prepare(step)
         sim.advance(until=sim.now + rng.uniform(0.05, 2.0))  # the step trains
     assert dropped == collector.filter.rows_dropped  # every drop counted, in the step it happened
@@ -523,7 +525,9 @@ def test_weights_are_published_after_every_optimizer_step_in_order():
     assert newest_weights(client) == (2, 1)
     assert client.list_sample_ids(WEIGHTS_PARTITION) == [weights_id(0, 0), weights_id(1, 0),
                                                          weights_id(2, 1)]
-    got = client.get_samples([weights_id(2, 1)], WEIGHTS_PARTITION, ["weights"])["weights"][0]
+    got = client.get_samples(
+        partition_id=WEIGHTS_PARTITION, sample_ids=[weights_id(2, 1)], select_fields=["weights"]
+    )["weights"][0]
     assert float(got[0]) == pytest.approx(float(model.weight.detach()[0, 0]) - 1.0)  # at publish
     publisher.writer = InlineWriter()
     publisher.publish(model, 1)  # a 4th row: the oldest 2 are cleared
@@ -574,7 +578,11 @@ def test_rows_an_earlier_run_left_in_the_exchange_are_dropped_at_start():
 
     shared = LocalDataPlane()
     shared.register_partition(ROLLOUTS_PARTITION, [])
-    shared.put_samples(["old-0", "old-1"], ROLLOUTS_PARTITION, {"weight_version": torch.zeros(2)})
+    shared.put_samples(
+        partition_id=ROLLOUTS_PARTITION,
+        sample_ids=["old-0", "old-1"],
+        fields={"weight_version": torch.zeros(2)},
+    )
     collector = ChunkCollector(shared, LocalDataPlane(), train_partition="train", prompts_per_step=2,
                                group_size=2, workers=1, max_staleness=1, procs=[])
     collector.register()
@@ -593,7 +601,7 @@ def test_prompts_task_runs_disaggregated(tmp_path, ray_session):
     data = tmp_path / "data"
     model = make_tiny_model(data, train_rows=64, eval_rows=8)
     run = tmp_path / "run"
-    recipe, result, rows, _ = _run(
+    _, result, rows, _ = _run(
         run, "task=prompts", f"task.path={data / 'train.jsonl'}",
         "task.reward._target_=tq_plugin.rl.tasks.rewards.token_match", "model=hf_causal_lm",
         f"model.pretrained_path={model}", "recipe.rollout_workers=2", "recipe.num_steps=3",
