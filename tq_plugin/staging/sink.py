@@ -208,7 +208,7 @@ class TQTokenSink:
                     "never overwritten: clear it first to replace it"
                 )
             return self._failed(key, exc)
-        return _result(ok=True, staging_key=key)
+        return _acknowledged(key)
 
     def _failed(self, key: str | None, exc: BaseException) -> Any:
         error = _safe_text(f"{type(exc).__name__}: {exc}") or type(exc).__name__
@@ -396,3 +396,10 @@ def _result(**kwargs: Any) -> Any:
     """A ``StageResult``: Gym's own class when Gym is in use in this process, else ours."""
     cls = gym_record_class("StageResult") or StageResult
     return cls(**kwargs)
+
+
+def _acknowledged(key: str) -> Any:
+    """``_result(ok=True, staging_key=key)`` for a key ``staging_key`` built (a non-empty str,
+    which is all the result's validation checks), without re-validating it on every call."""
+    cls = gym_record_class("StageResult") or StageResult
+    return cls.model_construct(ok=True, staging_key=key)

@@ -86,13 +86,20 @@ class RowBuffer:
         column, non-CPU or grad tensors) returns False and takes the full path. The row is
         copied here, so the caller may reuse its tensors; reads write buffered rows first.
         """
-        try:
-            key = tuple((name, v.dtype, v.dim(), v.layout, v.is_cpu, v.requires_grad,
-                         v.is_contiguous()) for name, v in items if type(v) is torch.Tensor)
+        tensor = torch.Tensor
+        signature = []
+        shapes = []
+        try:  # one pass: each field's layout key, and its shape for the copy below
+            for name, v in items:
+                if type(v) is not tensor:
+                    return False
+                shape = v.shape
+                shapes.append(shape)
+                signature.append((name, v.dtype, len(shape), v.layout, v.is_cpu,
+                                  v.requires_grad, v.is_contiguous()))
         except (AttributeError, RuntimeError, NotImplementedError):
             return False
-        if len(key) != len(items):
-            return False
+        key = tuple(signature)
         plan = part.plans.get(key)
         if plan is None or plan.epoch != part.epoch:
             plan = self._plan(part, items)
@@ -106,8 +113,7 @@ class RowBuffer:
         chunks: list[bytes] = []
         lengths: list[int] = []
         nbytes = 0
-        for (_, _, tail, jagged), (_, v) in zip(plan.fields, items):
-            shape = v.shape
+        for (_, _, tail, jagged), (_, v), shape in zip(plan.fields, items, shapes):
             if shape[0] != 1 or (shape[2:] if jagged else shape[1:]) != tail:
                 return False
             if jagged:

@@ -8,6 +8,7 @@ passed its checks always lands whole.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -34,8 +35,14 @@ class WritePath:
         mode: str,
     ) -> None:
         """Check the put against what the partition holds, reserve, then write (under the lock)."""
-        found = list(map(part.slot_of.get, ids))
-        new = [] if None not in found else [s for s, x in zip(ids, found) if x is None]
+        slot_of = part.slot_of
+        found = list(map(slot_of.get, ids)) if slot_of else [None] * len(ids)
+        if slot_of and None in found:
+            new = [s for s, x in zip(ids, found) if x is None]
+            if len(new) == len(ids):
+                new = ids
+        else:  # the common cases: every id is new (a step's first put) or every id is held
+            new = [] if slot_of and found and found[0] is not None else ids
         if mode == "insert" and len(new) != len(ids):
             held = [s for s, x in zip(ids, found) if x is not None]
             raise ValueError(
@@ -62,9 +69,15 @@ class WritePath:
         check_token_alignment(part, ids, found, prepared)
         # Slots for new ids, planned without touching the partition yet.
         reuse = min(len(new), len(part.free_slots))
-        new_slots = [*part.free_slots[len(part.free_slots) - reuse :],
-                     *range(part.next_slot, part.next_slot + len(new) - reuse)]
-        if new:
+        new_slots: Sequence[int] = (
+            [*part.free_slots[len(part.free_slots) - reuse :],
+             *range(part.next_slot, part.next_slot + len(new) - reuse)]
+            if reuse else range(part.next_slot, part.next_slot + len(new))
+        )
+        if new is ids:  # every id is new: its slots, in order
+            slots = (np.arange(part.next_slot, part.next_slot + len(ids), dtype=np.int64)
+                     if not reuse else np.array(new_slots, dtype=np.int64))
+        elif new:
             planned = dict(zip(new, new_slots))
             slots = np.array([planned[s] if x is None else x for s, x in zip(ids, found)], dtype=np.int64)
         else:
@@ -80,7 +93,7 @@ class WritePath:
         if new:
             del part.free_slots[len(part.free_slots) - reuse :]
             part.next_slot += len(new) - reuse
-            self._admit(part, new, new_slots, arrival)
+            self._admit(part, new, new_slots, arrival, slots if new is ids else None)
         self._live_bytes += self._write(part, prepared, targets, slots)
         if tag_rows is not None:
             for sid, t in zip(ids, tag_rows):
@@ -112,11 +125,17 @@ class WritePath:
             targets.append(col)
         return targets, grew
 
-    def _admit(self, part: Any, new: list[str], slots: list[int], arrival: np.ndarray) -> None:
-        """Make ``new`` ids rows of the partition at ``slots`` (first-put order, claim queues)."""
+    def _admit(self, part: Any, new: list[str], slots: Sequence[int], arrival: np.ndarray,
+               index: np.ndarray | None = None) -> None:
+        """Make ``new`` ids rows of the partition at ``slots`` (first-put order, claim queues);
+        ``index`` is ``slots`` as an array when the caller has one."""
         part.slot_of.update(zip(new, slots))
         part.arrival = arrival
-        arrival[slots] = np.arange(self._arrivals, self._arrivals + len(new))
+        if len(new) == 1:
+            arrival[slots[0]] = self._arrivals
+        else:
+            arrival[np.array(slots, dtype=np.int64) if index is None else index] = np.arange(
+                self._arrivals, self._arrivals + len(new))
         self._arrivals += len(new)
         for pending in part.pending.values():
             pending.update(dict.fromkeys(new))

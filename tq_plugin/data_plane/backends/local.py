@@ -272,14 +272,14 @@ class LocalDataPlane(WritePath, RowBuffer, TaskCursors):
         with self._lock:
             self._require_open()
             part = self._partition(partition_id)
-            found = list(map(part.slot_of.get, ids))
-            if None in found:
-                missing = [s for s, slot in zip(ids, found) if slot is None]
+            try:  # one pass; an unknown id (None) stops it
+                slots = np.fromiter(map(part.slot_of.get, ids), dtype=np.int64, count=len(ids))
+            except TypeError:
+                missing = [s for s in ids if s not in part.slot_of]
                 raise KeyError(
                     f"get_samples: {len(missing)} unknown sample_ids in partition "
                     f"{partition_id!r}: {name_some(missing)}"
-                )
-            slots = np.array(found, dtype=np.int64)
+                ) from None
             for name in names:
                 col = part.columns.get(name)
                 if col is None or (col.live_rows == 0 and ids):
@@ -338,7 +338,9 @@ class LocalDataPlane(WritePath, RowBuffer, TaskCursors):
 
         Memory goes back as rows go: freed slots are reused, jagged buffers are compacted once
         garbage outweighs live data, and a column (or partition) with no rows left frees its
-        buffers.
+        buffers into the process's buffer pool (``_columns.BufferPool``): the next put of that
+        size (the next step's) reuses them instead of faulting fresh pages in, and the pool
+        hands them back to the OS once it is idle or over its bound.
         """
         ids = None if sample_ids is None else str_list(sample_ids, "clear_samples", "sample_ids", unique=False)
         with self._lock:
@@ -354,11 +356,24 @@ class LocalDataPlane(WritePath, RowBuffer, TaskCursors):
                 if part is not None:
                     self._live_bytes -= part.live_bytes + sum(r[4] for r in part.buffered)
                     del self._partitions[partition_id]
+                    for col in part.columns.values():
+                        col.release()  # its buffers go to the pool, for the next put to reuse
                 return
             if part is None:
                 return
             if part.buffered:
                 self._flush(part)
+            if (part.slot_of and len(ids) >= len(part.slot_of)
+                    and part.slot_of.keys() <= set(ids)):  # every row goes (a step's clear)
+                part.slot_of.clear()
+                part.tags.clear()
+                for task in part.consumed:
+                    part.consumed[task] = set()
+                    part.pending[task] = {}
+                    part.pending_dead[task] = 0
+                part.epoch += 1
+                self._empty_out(part)
+                return
             pop = part.slot_of.pop
             slots = [slot for slot in (pop(s, None) for s in ids) if slot is not None]
             if not slots:
@@ -371,18 +386,22 @@ class LocalDataPlane(WritePath, RowBuffer, TaskCursors):
                     claimed.difference_update(ids)
                 part.drop_pending(task, ids)
             part.epoch += 1  # columns may empty out (and then change kind): plans lapse
-            if not part.slot_of:  # the partition is empty: start its slots afresh
-                self._live_bytes -= part.live_bytes
-                for col in part.columns.values():
-                    col.release()
-                part.free_slots.clear()
-                part.next_slot = 0
-                part.arrival = np.zeros(0, dtype=np.int64)
+            if not part.slot_of:
+                self._empty_out(part)
                 return
             part.free_slots.extend(slots)
             index = np.array(slots, dtype=np.int64)
             for col in part.columns.values():
                 self._live_bytes += col.drop(index)
+
+    def _empty_out(self, part: Partition) -> None:
+        """The partition holds no row any more: free its columns, start its slots afresh."""
+        self._live_bytes -= part.live_bytes
+        for col in part.columns.values():
+            col.release()
+        part.free_slots.clear()
+        part.next_slot = 0
+        part.arrival = np.zeros(0, dtype=np.int64)
 
     # ------------------------------------------------------------------ accounting
     def _reserved_bytes(self) -> int:
@@ -408,13 +427,15 @@ class LocalDataPlane(WritePath, RowBuffer, TaskCursors):
                 "bytes_held": sum(c.reserved_bytes for c in cols),
                 "peak_bytes_held": self._peak_bytes,
                 "capacity_bytes": self.capacity_bytes,
-                # freed large buffers kept a few seconds for reuse (process-wide; see trim())
+                # freed large buffers kept for the next put's reuse until the pool is idle or
+                # over its bound (process-wide; see trim())
                 "bytes_cached": POOL.nbytes,
             }
 
     def trim(self) -> None:
-        """Unmap the large buffers freed recently and kept for reuse (they go within
-        ``POOL.ttl_s`` seconds of the next store call anyway)."""
+        """Unmap the large buffers freed and kept for reuse now (they go back by themselves
+        once the pool has been idle ``POOL.idle_s`` seconds, or at once past
+        ``POOL.limit_bytes``)."""
         POOL.clear()
 
     # ------------------------------------------------------------------ checkpoints
