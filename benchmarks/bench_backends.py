@@ -109,13 +109,13 @@ class _Protocol:
         self.c.register_partition("train", [])
 
     def put(self, ids, batch) -> None:
-        self.c.put_samples(ids, "train", batch)
+        self.c.put_samples(partition_id="train", sample_ids=ids, fields=batch)
 
     def get(self, ids):
-        return self.c.get_samples(ids, "train", FIELDS)
+        return self.c.get_samples(partition_id="train", sample_ids=ids, select_fields=FIELDS)
 
     def clear(self, ids) -> None:
-        self.c.clear_samples(ids, "train")
+        self.c.clear_samples(partition_id="train", sample_ids=ids)
 
 
 def _child(kind: str, runs: int) -> None:

@@ -74,7 +74,7 @@ def _worker(dp: LocalDataPlane, thread: int, rollouts: int, latencies: list[floa
                 raise AssertionError(f"finalize produced placeholders: {bad[:2]}")
             if thread == 0:
                 peak[0] = max(peak[0], dp.stats()["bytes_held"])
-            dp.clear_samples(meta.sample_ids, TRAIN)
+            dp.clear_samples(partition_id=TRAIN, sample_ids=meta.sample_ids)
             receipts = []
     return staged
 

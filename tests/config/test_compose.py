@@ -301,8 +301,10 @@ def test_distributed_backends_compose_and_instantiate_in_an_unrelated_app(option
     try:
         assert client.shared
         client.register_partition("p", fields=[])
-        client.put_samples(["a"], "p", {"x": torch.tensor([1.5])})
-        assert client.get_samples(["a"], "p", ["x"])["x"].tolist() == [1.5]
+        client.put_samples(partition_id="p", sample_ids=["a"], fields={"x": torch.tensor([1.5])})
+        assert client.get_samples(
+            partition_id="p", sample_ids=["a"], select_fields=["x"]
+        )["x"].tolist() == [1.5]
     finally:
         client.close()
 

@@ -41,22 +41,30 @@ def _populated() -> LocalDataPlane:
     s.register_partition("open", [], consumer_tasks=["train", "eval"], grpo_group_size=2,
                          enums={"status": ["ok", "bad"]})
     for i, dt in enumerate(DTYPES):
-        s.put_samples([f"r{i}a", f"r{i}b", f"r{i}c"], "open", {
+        s.put_samples(partition_id="open", sample_ids=[f"r{i}a", f"r{i}b", f"r{i}c"], fields={
             f"dense_{dt}": _values(3, dt, 2, seed=i),
             f"jag_{dt}": _ragged([2, 0, 5], dt, seed=i),
             "scalar": torch.arange(3) + 10 * i,
             "tokens": _ragged([1, 3, 2], torch.int64, 4, seed=i),
         }, tags=[{"k": i, "f": 0.5, "s": "x", "n": None, "l": [1, "a", {"d": True}]}, {}, {"k": i}])
-    s.put_samples(["r0a", "late"], "open", {"scalar": torch.tensor([-1, -2])})  # overwrite + new
-    s.clear_samples(["r1b", "r2c"], "open")  # freed slots ...
-    s.put_samples(["reuse"], "open", {"scalar": torch.tensor([7])})  # ... reused, arrives last
+    s.put_samples(
+        partition_id="open", sample_ids=["r0a", "late"], fields={"scalar": torch.tensor([-1, -2])}
+    )  # overwrite + new
+    s.clear_samples(partition_id="open", sample_ids=["r1b", "r2c"])  # freed slots ...
+    s.put_samples(
+        partition_id="open", sample_ids=["reuse"], fields={"scalar": torch.tensor([7])}
+    )  # ... reused, arrives last
     s.claim_meta("open", "train", ["scalar"], batch_size=4)
     s.register_partition("closed", ["ids", "mask"], num_samples=8, jagged_fields=["ids"])
-    s.put_samples(["c0", "c1"], "closed", {"ids": torch.arange(6).reshape(2, 3),
+    s.put_samples(partition_id="closed", sample_ids=["c0", "c1"], fields={"ids": torch.arange(6).reshape(2, 3),
                                            "mask": torch.tensor([True, False])})
     s.register_partition("empty", ["x"], consumer_tasks=["train"])
     s.register_partition("hollow", [])  # a jagged column whose rows are all empty
-    s.put_samples(["h0", "h1"], "hollow", {"j": _ragged([0, 0], torch.float32, 3)})
+    s.put_samples(
+        partition_id="hollow",
+        sample_ids=["h0", "h1"],
+        fields={"j": _ragged([0, 0], torch.float32, 3)},
+    )
     return s
 
 
@@ -72,14 +80,16 @@ def _state(s: LocalDataPlane) -> dict[str, Any]:
                 torch.tensor([part.slot_of[sid]]).numpy())[0])]
             if not have:
                 continue
-            value = s.get_samples(have, pid, [name])[name]
+            value = s.get_samples(partition_id=pid, sample_ids=have, select_fields=[name])[name]
             if value.is_nested:
                 fields[name] = (have, value.values().clone(), value.offsets().clone())
             else:
                 fields[name] = (have, value.clone())
         order = sorted(part.slot_of, key=lambda sid: int(part.arrival[part.slot_of[sid]]))
         out[pid] = {
-            "ids": ids, "fields": fields, "tags": s.get_tags(ids, pid), "arrival": order,
+            "ids": ids, "fields": fields, "tags": s.get_tags(
+                partition_id=pid, sample_ids=ids
+            ), "arrival": order,
             "declared": sorted(part.declared), "jagged": sorted(part.jagged),
             "num_samples": part.num_samples, "tasks": part.consumer_tasks,
             "group": part.grpo_group_size, "enums": part.enums,
@@ -117,18 +127,22 @@ def test_round_trip_keeps_rows_schema_tags_and_claims(tmp_path: Path) -> None:
     assert nxt[0] == nxt[1] and nxt[0][-1] == "reuse"
     # The restored store is a live one: the schema still rejects what it rejected before.
     with pytest.raises(ValueError, match="not declared"):
-        restored.put_samples(["z"], "closed", {"other": torch.zeros(1)})
+        restored.put_samples(
+            partition_id="closed", sample_ids=["z"], fields={"other": torch.zeros(1)}
+        )
     with pytest.raises(TypeError, match="dtype mismatch"):
-        restored.put_samples(["z"], "open", {"scalar": torch.zeros(1)})
+        restored.put_samples(
+            partition_id="open", sample_ids=["z"], fields={"scalar": torch.zeros(1)}
+        )
 
 
 def test_saving_again_replaces_the_checkpoint_and_leaves_nothing_beside_it(tmp_path: Path) -> None:
     s = LocalDataPlane()
     s.register_partition("p", [])
-    s.put_samples(["a"], "p", {"x": torch.ones(1)})
+    s.put_samples(partition_id="p", sample_ids=["a"], fields={"x": torch.ones(1)})
     s.save(tmp_path / "ck")
-    s.put_samples(["b"], "p", {"x": torch.zeros(1)})
-    s.clear_samples(["a"], "p")
+    s.put_samples(partition_id="p", sample_ids=["b"], fields={"x": torch.zeros(1)})
+    s.clear_samples(partition_id="p", sample_ids=["a"])
     s.save(tmp_path / "ck")
     assert sorted(os.listdir(tmp_path)) == ["ck"]
     assert LocalDataPlane.load(tmp_path / "ck").list_sample_ids("p") == ["b"]
@@ -137,14 +151,14 @@ def test_saving_again_replaces_the_checkpoint_and_leaves_nothing_beside_it(tmp_p
 def test_a_crash_between_the_two_renames_leaves_the_old_checkpoint_loadable(tmp_path: Path) -> None:
     s = LocalDataPlane()
     s.register_partition("p", [])
-    s.put_samples(["a"], "p", {"x": torch.ones(1)})
+    s.put_samples(partition_id="p", sample_ids=["a"], fields={"x": torch.ones(1)})
     s.save(tmp_path / "ck")
     # What a crash leaves after the old checkpoint was renamed aside: no <path>, a complete
     # <path>.old-*, and a new <path>.tmp-* (complete or not; never trusted).
     os.rename(tmp_path / "ck", tmp_path / "ck.old-1234")
     (tmp_path / "ck.tmp-5678").mkdir()
     assert LocalDataPlane.load(tmp_path / "ck").list_sample_ids("p") == ["a"]
-    s.put_samples(["b"], "p", {"x": torch.ones(1)})
+    s.put_samples(partition_id="p", sample_ids=["b"], fields={"x": torch.ones(1)})
     s.save(tmp_path / "ck")  # the next save cleans up both leftovers
     assert sorted(os.listdir(tmp_path)) == ["ck"]
     assert LocalDataPlane.load(tmp_path / "ck").list_sample_ids("p") == ["a", "b"]
@@ -155,7 +169,9 @@ def test_untaggable_values_raise_before_anything_is_written(tmp_path: Path) -> N
                       (torch.ones(1), "Tensor")):
         s = LocalDataPlane()
         s.register_partition("p", [])
-        s.put_samples(["a"], "p", {"x": torch.ones(1)}, tags=[{"bad": bad}])
+        s.put_samples(
+            partition_id="p", sample_ids=["a"], fields={"x": torch.ones(1)}, tags=[{"bad": bad}]
+        )
         with pytest.raises((TypeError, ValueError),
                            match=rf"tag 'bad' of sample 'a' in partition 'p'.*{rule}"):
             s.save(tmp_path / "ck")
@@ -183,7 +199,7 @@ def test_save_after_close_raises(tmp_path: Path) -> None:
 def ck(tmp_path: Path) -> Path:
     s = LocalDataPlane()
     s.register_partition("p", [], consumer_tasks=["t"])
-    s.put_samples(["a", "b"], "p", {"d": torch.arange(4.0).reshape(2, 2),
+    s.put_samples(partition_id="p", sample_ids=["a", "b"], fields={"d": torch.arange(4.0).reshape(2, 2),
                                     "j": _ragged([3, 1], torch.float32)}, tags=[{"k": 1}, {}])
     s.save(tmp_path / "ck")
     return tmp_path / "ck"
@@ -329,7 +345,7 @@ def test_load_into_another_client_puts_the_rows_and_warns_about_claims(ck: Path)
     other = Forwarding()
     with pytest.warns(RuntimeWarning, match="claims of partition 'p' are not restored"):
         assert load_into(other, ck).partition_ids == ["p"]
-    got = other.get_samples(["b", "a"], "p", ["d", "j"])
+    got = other.get_samples(partition_id="p", sample_ids=["b", "a"], select_fields=["d", "j"])
     assert torch.equal(got["d"], torch.tensor([[2.0, 3.0], [0.0, 1.0]]))
     assert got["j"].offsets().tolist() == [0, 1, 4]
 
@@ -354,12 +370,20 @@ def test_each_restored_row_lands_whole_in_one_put(tmp_path: Path) -> None:
                         tags: Any = None) -> Any:
             if fields is not None:
                 puts.append((list(sample_ids), sorted(fields)))
-            return super().put_samples(sample_ids, partition_id, fields, tags)
+            return super().put_samples(
+                partition_id=partition_id, sample_ids=sample_ids, fields=fields, tags=tags
+            )
 
     s = LocalDataPlane()
     s.register_partition("p", [])
-    s.put_samples(["a", "b", "c"], "p", {"x": torch.ones(3), "j": _ragged([1, 2, 3], torch.int32)})
-    s.put_samples(["b"], "p", {"y": torch.zeros(1, 2)})  # a write-back for one row
+    s.put_samples(
+        partition_id="p",
+        sample_ids=["a", "b", "c"],
+        fields={"x": torch.ones(3), "j": _ragged([1, 2, 3], torch.int32)},
+    )
+    s.put_samples(
+        partition_id="p", sample_ids=["b"], fields={"y": torch.zeros(1, 2)}
+    )  # a write-back for one row
     s.save(tmp_path / "ck")
     load_into(Recording(), tmp_path / "ck")
     held = {"a": ["j", "x"], "b": ["j", "x", "y"], "c": ["j", "x"]}
@@ -406,17 +430,23 @@ def test_the_ray_store_swaps_its_checkpoint_in_atomically(tmp_path: Path, ray_st
     from tq_plugin.data_plane.backends.ray_actor import RayDataPlane
 
     ray_store.register_partition("p", [])
-    ray_store.put_samples(["a"], "p", {"x": torch.ones(1), "j": _ragged([70_000], torch.uint8)})
+    ray_store.put_samples(
+        partition_id="p",
+        sample_ids=["a"],
+        fields={"x": torch.ones(1), "j": _ragged([70_000], torch.uint8)},
+    )
     ray_store.save(tmp_path / "ck")
-    ray_store.put_samples(["b"], "p", {"x": torch.zeros(1)})
-    ray_store.clear_samples(["a"], "p")
+    ray_store.put_samples(partition_id="p", sample_ids=["b"], fields={"x": torch.zeros(1)})
+    ray_store.clear_samples(partition_id="p", sample_ids=["a"])
     ray_store.save(tmp_path / "ck")
     assert sorted(os.listdir(tmp_path)) == ["ck"]
     loaded = RayDataPlane.load(tmp_path / "ck", store=f"{ray_store.store}-2",
                                actor_name="tq_plugin_tests")
     try:
         assert loaded.list_sample_ids("p") == ["b"]
-        assert loaded.get_samples(["b"], "p", ["x"])["x"].tolist() == [0.0]
+        assert loaded.get_samples(
+            partition_id="p", sample_ids=["b"], select_fields=["x"]
+        )["x"].tolist() == [0.0]
     finally:
         loaded.close()
 
@@ -427,7 +457,7 @@ def test_the_ray_store_refuses_a_tampered_checkpoint_and_stays_unchanged(
         tmp_path: Path, ray_store) -> None:
     s = LocalDataPlane()
     s.register_partition("p", [])
-    s.put_samples(["a", "b"], "p", {"d": torch.arange(4.0).reshape(2, 2),
+    s.put_samples(partition_id="p", sample_ids=["a", "b"], fields={"d": torch.arange(4.0).reshape(2, 2),
                                     "j": _ragged([100_000, 1], torch.float32)})
     s.save(tmp_path / "ck")
     data = bytearray((tmp_path / "ck" / "0.safetensors").read_bytes())
@@ -469,7 +499,9 @@ def test_the_callback_checkpoints_a_shared_ray_store_from_rank_zero_alone(
         return out
 
     ray_store.register_partition("p", [], consumer_tasks=["train"])
-    ray_store.put_samples(["a", "b", "c"], "p", {"x": torch.arange(3.0)})
+    ray_store.put_samples(
+        partition_id="p", sample_ids=["a", "b", "c"], fields={"x": torch.arange(3.0)}
+    )
     first = ray_store.claim_meta("p", "train", ["x"], 1).sample_ids
     states = []
     for cb, trainer in ranks(ray_store):

@@ -23,7 +23,9 @@ def dp():
 def _put(dp, ids, **cols):
     n = len(ids)
     fields = {"input_lengths": torch.arange(1, n + 1), **{k: v for k, v in cols.items()}}
-    dp.put_samples(ids, "train", fields, tags=[{"i": i} for i in range(n)])
+    dp.put_samples(
+        partition_id="train", sample_ids=ids, fields=fields, tags=[{"i": i} for i in range(n)]
+    )
 
 
 def test_claim_advances_the_task_cursor_and_consumption(dp):
@@ -42,7 +44,7 @@ def test_claim_advances_the_task_cursor_and_consumption(dp):
 
 def test_claim_skips_rows_whose_required_fields_are_not_written(dp):
     _put(dp, ["a", "b"])
-    dp.put_samples(["b"], "train", {"advantages": torch.zeros(1)})
+    dp.put_samples(partition_id="train", sample_ids=["b"], fields={"advantages": torch.zeros(1)})
     m = dp.claim_meta("train", "train", ["input_lengths", "advantages"], 4, blocking=False)
     assert m.sample_ids == ["b"]
 
@@ -80,7 +82,7 @@ def test_get_data_requires_a_field_selection(dp):
 def test_cleared_rows_leave_the_consumption_accounting(dp):
     _put(dp, ["a", "b"])
     dp.claim_meta("train", "train", ["input_lengths"], 1)
-    dp.clear_samples(["b"], "train")
+    dp.clear_samples(partition_id="train", sample_ids=["b"])
     assert dp.check_consumption_status("train", ["train"])
     _put(dp, ["b"])
     assert dp.claim_meta("train", "train", ["input_lengths"], 2).sample_ids == ["b"]

@@ -76,7 +76,9 @@ def test_first_write_jaggedizes_padded_per_token_columns(client):
         {"input_ids": padded, "input_lengths": torch.tensor([2, 6]), "sample_mask": torch.ones(2)},
         sample_ids=["a", "b"], client=client, partition_id="train",
     )
-    got = client.get_samples(meta.sample_ids, "train", ["input_ids"])["input_ids"]
+    got = client.get_samples(
+        partition_id="train", sample_ids=meta.sample_ids, select_fields=["input_ids"]
+    )["input_ids"]
     assert [r.tolist() for r in got.unbind()] == [[0, 1], [6, 7, 8, 9, 10, 11]]
 
 
@@ -108,7 +110,9 @@ def test_write_back_of_padded_columns_lands_at_row_lengths(step):
     stamp_global_forward_pad_seqlen(meta)
     adv = torch.arange(4 * 9, dtype=torch.float32).reshape(4, 9)
     write_columns(client, meta, {"advantages": adv, "baseline": torch.ones(4)})
-    got = client.get_samples(meta.sample_ids, "train", ["advantages"])["advantages"]
+    got = client.get_samples(
+        partition_id="train", sample_ids=meta.sample_ids, select_fields=["advantages"]
+    )["advantages"]
     assert [r.shape[0] for r in got.unbind()] == [5, 9, 3, 7]
     assert torch.equal(got.unbind()[2], adv[2, :3])
     padded = read_columns(client, meta, ["advantages", "input_ids"])
@@ -122,7 +126,9 @@ def test_write_back_refuses_to_truncate_and_to_misalign(step):
     with pytest.raises(ValueError, match="row lengths differ"):
         write_columns(client, meta, {"advantages": ragged([5, 9, 3, 6], torch.float32)})
     with pytest.raises(KeyError):
-        client.get_samples(meta.sample_ids, "train", ["advantages"])
+        client.get_samples(
+            partition_id="train", sample_ids=meta.sample_ids, select_fields=["advantages"]
+        )
 
 
 def test_write_columns_with_nothing_is_a_no_op(step):
@@ -185,7 +191,9 @@ def test_write_columns_accepts_a_tensordict(step):
 
     client, _, meta = step
     write_columns(client, meta, TensorDict({"baseline": torch.arange(4.0)}, [4]))
-    assert client.get_samples(meta.sample_ids, "train", ["baseline"])["baseline"].tolist() == [0, 1, 2, 3]
+    assert client.get_samples(
+        partition_id="train", sample_ids=meta.sample_ids, select_fields=["baseline"]
+    )["baseline"].tolist() == [0, 1, 2, 3]
 
 
 def test_dynamic_sampling_drops_and_clears_zero_std_groups(client):
@@ -206,10 +214,12 @@ def test_dynamic_sampling_drops_and_clears_zero_std_groups(client):
     zero = [i for i, t in enumerate(meta.tags) if t["std"] == 0.0]
     dropped = meta.subset(zero)
     kept = meta.drop(zero)
-    client.clear_samples(dropped.sample_ids, "train")
+    client.clear_samples(partition_id="train", sample_ids=dropped.sample_ids)
     assert kept.sample_ids == ["u0_g0", "u0_g1", "u2_g0", "u2_g1"]
     with pytest.raises(KeyError, match="u1_g0"):
-        client.get_samples(dropped.sample_ids, "train", ["input_ids"])
+        client.get_samples(
+            partition_id="train", sample_ids=dropped.sample_ids, select_fields=["input_ids"]
+        )
     out = read_columns(client, kept, ["input_ids", "total_reward"], layout="jagged")
     assert [r.shape[0] for r in out["input_ids"].unbind()] == [4, 6, 7, 2]
 

@@ -33,10 +33,14 @@ DOCUMENTED = (TypeError, ValueError, KeyError)
 def snapshot(client, partition: str = "train") -> dict:
     """Everything a caller could observe of ``partition``: ids, each field's bytes, tags."""
     ids = client.list_sample_ids(partition)
-    out: dict = {"ids": ids, "tags": client.get_tags(ids, partition) if ids else []}
+    out: dict = {"ids": ids, "tags": client.get_tags(
+        partition_id=partition, sample_ids=ids
+    ) if ids else []}
     for name in FIELDS:
         try:
-            value = client.get_samples(ids, partition, [name])[name] if ids else None
+            value = client.get_samples(
+                partition_id=partition, sample_ids=ids, select_fields=[name]
+            )[name] if ids else None
         except KeyError:
             continue
         if value is not None and value.is_nested:
@@ -166,7 +170,9 @@ def test_write_columns_without_meta_lengths_cuts_to_the_stored_lengths(store):
     client, meta = store
     bare = KVBatchMeta("train", None, meta.sample_ids)
     write_columns(client, bare, {"advantages": torch.arange(27.0).reshape(3, 9)})
-    got = client.get_samples(meta.sample_ids, "train", ["advantages"])["advantages"]
+    got = client.get_samples(
+        partition_id="train", sample_ids=meta.sample_ids, select_fields=["advantages"]
+    )["advantages"]
     assert got.is_nested and [len(r) for r in got.unbind()] == [5, 9, 3]
 
 
@@ -421,7 +427,9 @@ def test_fuzz_first_write(case):
     out = read_columns(client, meta, ["score", "input_lengths"], layout="jagged")
     torch.testing.assert_close(out["score"], batch["score"], rtol=0, atol=0, equal_nan=True)
     if layout != "absent":
-        got = client.get_samples(ids, "train", ["input_ids"])["input_ids"]
+        got = client.get_samples(
+            partition_id="train", sample_ids=ids, select_fields=["input_ids"]
+        )["input_ids"]
         assert got.offsets().diff().tolist() == lens
     client.close()
 
@@ -479,7 +487,7 @@ def test_fuzz_write_columns(case):
     if lengths is not None and field == "advantages":
         assert lengths == [stored[s] for s in ids]
     if n and field == "advantages" and form != "dense1d":
-        got = client.get_samples(ids, "train", [field])[field]
+        got = client.get_samples(partition_id="train", sample_ids=ids, select_fields=[field])[field]
         assert got.offsets().diff().tolist() == [stored[s] for s in ids]
     client.close()
 
@@ -534,10 +542,14 @@ class ContractClient:
     def put_samples(self, sample_ids, partition_id, fields=None, tags=None):
         self.puts += 1
         fields = fields.select(*fields.keys())  # fails on a plain dict
-        return self.inner.put_samples(sample_ids, partition_id, fields, tags)
+        return self.inner.put_samples(
+            partition_id=partition_id, sample_ids=sample_ids, fields=fields, tags=tags
+        )
 
     def get_samples(self, sample_ids, partition_id, select_fields):
-        return self.inner.get_samples(sample_ids, partition_id, select_fields)
+        return self.inner.get_samples(
+            partition_id=partition_id, sample_ids=sample_ids, select_fields=select_fields
+        )
 
     def list_sample_ids(self, partition_id):
         return self.inner.list_sample_ids(partition_id)

@@ -51,12 +51,16 @@ def test_random_jagged_batches_round_trip_byte_exact(lengths, dtype, seed, order
     half = n // 2
     parts = [meta.subset(perm[:half]), meta.subset(perm[half:])]
     joined = parts[0].concat(parts[1])
-    got = dp.get_samples(joined.sample_ids, "train", ["x"])["x"].unbind()
+    got = dp.get_samples(
+        partition_id="train", sample_ids=joined.sample_ids, select_fields=["x"]
+    )["x"].unbind()
     for i, row in zip(perm, got):
         assert row.dtype == dtype and torch.equal(row, rows[i])
     # a partial clear keeps the survivors byte-exact through compaction
-    dp.clear_samples([ids[i] for i in perm[:half]], "train")
-    survivors = dp.get_samples([ids[i] for i in perm[half:]], "train", ["x"])["x"].unbind()
+    dp.clear_samples(partition_id="train", sample_ids=[ids[i] for i in perm[:half]])
+    survivors = dp.get_samples(
+        partition_id="train", sample_ids=[ids[i] for i in perm[half:]], select_fields=["x"]
+    )["x"].unbind()
     for i, row in zip(perm[half:], survivors):
         assert torch.equal(row, rows[i])
 

@@ -27,10 +27,12 @@ def test_a_second_client_sees_the_same_rows_and_only_detaches(store):
     from tq_plugin.data_plane.backends.ray_actor import RayDataPlane
 
     store.register_partition("train", [])
-    store.put_samples(["a"], "train", {"r": torch.tensor([1.5])})
+    store.put_samples(partition_id="train", sample_ids=["a"], fields={"r": torch.tensor([1.5])})
     other = RayDataPlane(store.store, actor_name="tq_plugin_tests")
     assert not other.is_owner and store.is_owner
-    assert other.get_samples(["a"], "train", ["r"])["r"].tolist() == [1.5]
+    assert other.get_samples(
+        partition_id="train", sample_ids=["a"], select_fields=["r"]
+    )["r"].tolist() == [1.5]
     other.close()
     with pytest.raises(DataPlaneClosedError):
         other.list_sample_ids("train")
@@ -99,12 +101,14 @@ def test_bulk_bytes_live_in_the_object_store_and_go_back_when_cleared(store, ray
     _, objects_before = _plasma_objects(ray_session)
     ids = [f"a{i}" for i in range(8)]
     x = torch.randn(8, 1 << 18)  # 8 MiB: far above the inline threshold
-    store.put_samples(ids, "train", {"x": x})
+    store.put_samples(partition_id="train", sample_ids=ids, fields={"x": x})
     mib, objects = _plasma_objects(ray_session)
     assert mib >= 8 and objects > objects_before
     assert store.stats()["bytes_held"] == x.numel() * 4
-    assert torch.equal(store.get_samples(ids, "train", ["x"])["x"], x)
-    store.clear_samples(ids, "train")
+    assert torch.equal(store.get_samples(
+        partition_id="train", sample_ids=ids, select_fields=["x"]
+    )["x"], x)
+    store.clear_samples(partition_id="train", sample_ids=ids)
     assert store.stats()["bytes_held"] == 0
     deadline = time.monotonic() + 30  # Ray frees objects asynchronously
     while _plasma_objects(ray_session)[1] > objects_before and time.monotonic() < deadline:
@@ -122,12 +126,20 @@ def test_the_actor_runs_only_the_protocol(store):
 
 def test_put_options_are_forwarded_by_keyword(store):
     store.register_partition("train", [])
-    store.put_samples(["a"], "train", {"r": torch.zeros(1)}, mode="insert")
+    store.put_samples(
+        partition_id="train", sample_ids=["a"], fields={"r": torch.zeros(1)}, mode="insert"
+    )
     with pytest.raises(ValueError, match="already exist"):
-        store.put_samples(["a"], "train", {"r": torch.ones(1)}, mode="insert")
+        store.put_samples(
+            partition_id="train", sample_ids=["a"], fields={"r": torch.ones(1)}, mode="insert"
+        )
     with pytest.raises(KeyError, match="never written"):
-        store.put_samples(["b"], "train", {"r": torch.ones(1)}, mode="update")
-    assert store.get_samples(["a"], "train", ["r"])["r"].tolist() == [0.0]
+        store.put_samples(
+            partition_id="train", sample_ids=["b"], fields={"r": torch.ones(1)}, mode="update"
+        )
+    assert store.get_samples(
+        partition_id="train", sample_ids=["a"], select_fields=["r"]
+    )["r"].tolist() == [0.0]
 
 
 def test_attaching_never_creates_a_store(store):
@@ -141,9 +153,15 @@ def test_attaching_never_creates_a_store(store):
 
 def test_a_dense_column_promoted_to_jagged_keeps_its_rows(store):
     store.register_partition("train", [])
-    store.put_samples(["a", "b"], "train", {"tok": torch.tensor([[1, 2, 3], [4, 5, 6]])})
-    store.put_samples(["c"], "train", {"tok": torch.tensor([[7]])})
-    got = store.get_samples(["c", "a", "b"], "train", ["tok"])["tok"]
+    store.put_samples(
+        partition_id="train",
+        sample_ids=["a", "b"],
+        fields={"tok": torch.tensor([[1, 2, 3], [4, 5, 6]])},
+    )
+    store.put_samples(partition_id="train", sample_ids=["c"], fields={"tok": torch.tensor([[7]])})
+    got = store.get_samples(
+        partition_id="train", sample_ids=["c", "a", "b"], select_fields=["tok"]
+    )["tok"]
     assert [r.tolist() for r in got.unbind()] == [[7], [1, 2, 3], [4, 5, 6]]
 
 
@@ -151,7 +169,9 @@ def test_claims_see_lengths_stored_in_the_object_store(store):
     store.register_partition("train", [], consumer_tasks=["actor"])
     n = 9000  # int64 lengths: 72 KB, above the inline threshold
     ids = [f"s{i}" for i in range(n)]
-    store.put_samples(ids, "train", {"input_lengths": torch.arange(n)})
+    store.put_samples(
+        partition_id="train", sample_ids=ids, fields={"input_lengths": torch.arange(n)}
+    )
     meta = store.claim_meta("train", "actor", ["input_lengths"], batch_size=4)
     assert meta.sample_ids == ids[:4] and meta.sequence_lengths == [0, 1, 2, 3]
     td = store.get_data(meta)
@@ -167,7 +187,7 @@ def test_attaching_to_a_running_cluster_ignores_the_start_up_resources(store, ra
 
     address = ray_session.get_runtime_context().gcs_address
     store.register_partition("p", [])
-    store.put_samples(["a"], "p", {"r": torch.tensor([2.5])})
+    store.put_samples(partition_id="p", sample_ids=["a"], fields={"r": torch.tensor([2.5])})
     code = (
         "from tq_plugin.data_plane.backends.ray_actor import RayDataPlane\n"
         f"c = RayDataPlane({store.store!r}, actor_name='tq_plugin_tests', address={address!r},\n"

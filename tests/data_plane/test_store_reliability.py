@@ -24,12 +24,12 @@ def snapshot(dp: LocalDataPlane, pid: str = "p") -> dict:
     """Everything a caller can observe of a partition: ids, every field of every row, tags."""
     ids = dp.list_sample_ids(pid)
     part = dp._partitions[pid]
-    out: dict = {"ids": ids, "tags": dp.get_tags(ids, pid) if ids else []}
+    out: dict = {"ids": ids, "tags": dp.get_tags(partition_id=pid, sample_ids=ids) if ids else []}
     for name, col in sorted(part.columns.items()):
         if not col.live_rows:
             continue
         have = [s for s in ids if col.has(np.array([part.slot_of[s]]))[0]]
-        td = dp.get_samples(have, pid, [name])
+        td = dp.get_samples(partition_id=pid, sample_ids=have, select_fields=[name])
         value = td[name]
         rows = list(value.unbind()) if value.is_nested else list(value)
         out[name] = (col.spec, have, [r.clone() for r in rows])
@@ -50,7 +50,7 @@ def assert_same(a: dict, b: dict) -> None:
 def dp() -> LocalDataPlane:
     d = LocalDataPlane()
     d.register_partition("p", [])
-    d.put_samples(["a", "b"], "p", {
+    d.put_samples(partition_id="p", sample_ids=["a", "b"], fields={
         "tok": nested_from_lengths(torch.tensor([5, 6, 7, 8, 9, 10]), torch.tensor([2, 4])),
         "r": torch.tensor([1.0, 2.0]),
     }, tags=[{"k": 1}, {"k": 2}])
@@ -63,12 +63,16 @@ def test_jagged_offsets_outside_or_decreasing_are_refused(dp, offsets):
     before = snapshot(dp)
     bad = torch.nested.nested_tensor_from_jagged(torch.arange(5), torch.tensor(offsets))
     with pytest.raises(ValueError, match="'tok' has invalid jagged offsets"):
-        dp.put_samples(["c", "d"], "p", {"tok": bad, "r": torch.zeros(2)})
+        dp.put_samples(
+            partition_id="p", sample_ids=["c", "d"], fields={"tok": bad, "r": torch.zeros(2)}
+        )
     assert_same(before, snapshot(dp))
     # the next put's bytes are never readable through another row
-    dp.put_samples(["c"], "p", {"tok": nested_from_lengths(torch.tensor([8, 9, 10]), torch.tensor([3])),
+    dp.put_samples(partition_id="p", sample_ids=["c"], fields={"tok": nested_from_lengths(torch.tensor([8, 9, 10]), torch.tensor([3])),
                                 "r": torch.zeros(1)})
-    assert dp.get_samples(["c"], "p", ["tok"])["tok"][0].tolist() == [8, 9, 10]
+    assert dp.get_samples(
+        partition_id="p", sample_ids=["c"], select_fields=["tok"]
+    )["tok"][0].tolist() == [8, 9, 10]
 
 
 def test_negative_lengths_of_a_narrowed_view_are_refused(dp):
@@ -76,14 +80,16 @@ def test_negative_lengths_of_a_narrowed_view_are_refused(dp):
     bad = torch.nested.nested_tensor_from_jagged(values, torch.tensor([0, 4, 8]), lengths=torch.tensor([3, -2]))
     before = snapshot(dp)
     with pytest.raises(ValueError, match="'tok' has invalid jagged offsets"):
-        dp.put_samples(["c", "d"], "p", {"tok": bad})
+        dp.put_samples(partition_id="p", sample_ids=["c", "d"], fields={"tok": bad})
     assert_same(before, snapshot(dp))
 
 
 def test_offsets_that_skip_leading_or_trailing_values_keep_exactly_the_rows(dp):
     nt = torch.nested.nested_tensor_from_jagged(torch.arange(10), torch.tensor([2, 4, 7]))
-    dp.put_samples(["c", "d"], "p", {"tok": nt})
-    rows = dp.get_samples(["c", "d"], "p", ["tok"])["tok"].unbind()
+    dp.put_samples(partition_id="p", sample_ids=["c", "d"], fields={"tok": nt})
+    rows = dp.get_samples(
+        partition_id="p", sample_ids=["c", "d"], select_fields=["tok"]
+    )["tok"].unbind()
     assert [r.tolist() for r in rows] == [[2, 3], [4, 5, 6]]
 
 
@@ -97,7 +103,7 @@ def test_offsets_that_skip_leading_or_trailing_values_keep_exactly_the_rows(dp):
 def test_an_unstorable_second_field_leaves_the_first_unwritten(dp, make):
     before = snapshot(dp)
     with pytest.raises((TypeError, ValueError), match="field 'r'"):
-        dp.put_samples(["a", "b"], "p", {
+        dp.put_samples(partition_id="p", sample_ids=["a", "b"], fields={
             "tok": nested_from_lengths(torch.tensor([0, 0, 0]), torch.tensor([1, 2])),
             "r": make(),
         })
@@ -118,28 +124,28 @@ def test_an_allocation_failure_part_way_writes_nothing(dp, monkeypatch):
     monkeypatch.setattr(_columns, "_grown", failing)
     big = 64
     with pytest.raises(MemoryError):
-        dp.put_samples([f"n{i}" for i in range(big)], "p", {
+        dp.put_samples(partition_id="p", sample_ids=[f"n{i}" for i in range(big)], fields={
             "tok": nested_from_lengths(torch.arange(big * 3), torch.full((big,), 3)),
             "r": torch.zeros(big),
         })
     assert calls["n"] == 2
     assert_same(before, snapshot(dp))  # no new ids listed without data
     monkeypatch.setattr(_columns, "_grown", real)
-    dp.put_samples(["n0"], "p", {"tok": nested_from_lengths(torch.arange(3), torch.tensor([3])),
+    dp.put_samples(partition_id="p", sample_ids=["n0"], fields={"tok": nested_from_lengths(torch.arange(3), torch.tensor([3])),
                                  "r": torch.zeros(1)})
     assert dp.list_sample_ids("p") == ["a", "b", "n0"]
 
 
 # ---------------------------------------------------------------- 9. clear errors
 def test_a_string_is_never_taken_as_a_sequence_of_ids(dp):
-    dp.put_samples(["ab"], "p", {"r": torch.zeros(1)})
+    dp.put_samples(partition_id="p", sample_ids=["ab"], fields={"r": torch.zeros(1)})
     before = snapshot(dp)
     with pytest.raises(TypeError, match="sample_ids must be a list of strings"):
-        dp.clear_samples("ab", "p")
+        dp.clear_samples(partition_id="p", sample_ids="ab")
     with pytest.raises(TypeError, match="sample_ids must be a list of strings"):
-        dp.put_samples("ab", "p", {"r": torch.zeros(2)})
+        dp.put_samples(partition_id="p", sample_ids="ab", fields={"r": torch.zeros(2)})
     with pytest.raises(TypeError, match="select_fields must be a list of strings"):
-        dp.get_samples(["a"], "p", "r")
+        dp.get_samples(partition_id="p", sample_ids=["a"], select_fields="r")
     with pytest.raises(TypeError, match="fields must be a list of strings"):
         dp.register_partition("q", "abc")
     assert_same(before, snapshot(dp))
@@ -165,24 +171,26 @@ def test_register_partition_arguments_get_clear_errors(kwargs, exc, match):
 def test_num_samples_is_a_row_limit():
     dp = LocalDataPlane()
     dp.register_partition("q", ["x"], num_samples=2)
-    dp.put_samples(["a", "b"], "q", {"x": torch.zeros(2)})
+    dp.put_samples(partition_id="q", sample_ids=["a", "b"], fields={"x": torch.zeros(2)})
     with pytest.raises(CapacityError, match="num_samples=2"):
-        dp.put_samples(["c"], "q", {"x": torch.zeros(1)})
-    dp.put_samples(["a"], "q", {"x": torch.ones(1)})  # overwrites are not new rows
-    dp.clear_samples(["a"], "q")
-    dp.put_samples(["c"], "q", {"x": torch.zeros(1)})
+        dp.put_samples(partition_id="q", sample_ids=["c"], fields={"x": torch.zeros(1)})
+    dp.put_samples(
+        partition_id="q", sample_ids=["a"], fields={"x": torch.ones(1)}
+    )  # overwrites are not new rows
+    dp.clear_samples(partition_id="q", sample_ids=["a"])
+    dp.put_samples(partition_id="q", sample_ids=["c"], fields={"x": torch.zeros(1)})
     assert dp.list_sample_ids("q") == ["b", "c"]
 
 
 def test_tags_are_copied_in_and_out(dp):
     nested = {"k": [1, 2]}
-    dp.put_samples(["c"], "p", {"r": torch.zeros(1)}, tags=[nested])
+    dp.put_samples(partition_id="p", sample_ids=["c"], fields={"r": torch.zeros(1)}, tags=[nested])
     nested["k"].append(3)
     nested["new"] = 1
-    got = dp.get_tags(["c"], "p")[0]
+    got = dp.get_tags(partition_id="p", sample_ids=["c"])[0]
     assert got == {"k": [1, 2]}
     got["k"].append(4)
-    assert dp.get_tags(["c"], "p")[0] == {"k": [1, 2]}
+    assert dp.get_tags(partition_id="p", sample_ids=["c"])[0] == {"k": [1, 2]}
 
 
 @pytest.mark.parametrize(("tags", "match"), [
@@ -194,7 +202,9 @@ def test_tags_are_copied_in_and_out(dp):
 def test_malformed_tags_write_nothing(dp, tags, match):
     before = snapshot(dp)
     with pytest.raises((TypeError, ValueError), match=match):
-        dp.put_samples(["c", "d"], "p", {"r": torch.zeros(2)}, tags=tags)
+        dp.put_samples(
+            partition_id="p", sample_ids=["c", "d"], fields={"r": torch.zeros(2)}, tags=tags
+        )
     assert_same(before, snapshot(dp))
 
 
@@ -202,32 +212,44 @@ def test_malformed_tags_write_nothing(dp, tags, match):
 def test_insert_refuses_held_ids_and_update_refuses_new_ones(dp):
     before = snapshot(dp)
     with pytest.raises(ValueError, match=r"mode='insert'.*'a'"):
-        dp.put_samples(["z", "a"], "p", {"r": torch.zeros(2)}, mode="insert")
+        dp.put_samples(
+            partition_id="p", sample_ids=["z", "a"], fields={"r": torch.zeros(2)}, mode="insert"
+        )
     with pytest.raises(KeyError, match=r"mode='update'.*'typo'"):
-        dp.put_samples(["a", "typo"], "p", {"r": torch.zeros(2)}, mode="update")
+        dp.put_samples(
+            partition_id="p", sample_ids=["a", "typo"], fields={"r": torch.zeros(2)}, mode="update"
+        )
     with pytest.raises(ValueError, match="mode must be one of"):
-        dp.put_samples(["a"], "p", {"r": torch.zeros(1)}, mode="append")
+        dp.put_samples(
+            partition_id="p", sample_ids=["a"], fields={"r": torch.zeros(1)}, mode="append"
+        )
     assert_same(before, snapshot(dp))
-    dp.put_samples(["a"], "p", {"r": torch.tensor([9.0])}, mode="update")
-    assert dp.get_samples(["a"], "p", ["r"])["r"].tolist() == [9.0]
+    dp.put_samples(
+        partition_id="p", sample_ids=["a"], fields={"r": torch.tensor([9.0])}, mode="update"
+    )
+    assert dp.get_samples(
+        partition_id="p", sample_ids=["a"], select_fields=["r"]
+    )["r"].tolist() == [9.0]
 
 
 def test_per_token_write_back_must_match_the_stored_input_lengths():
     dp = LocalDataPlane()
     dp.register_partition("t", [])
     lengths = torch.tensor([5, 9, 3])
-    dp.put_samples(["x", "y", "z"], "t", {
+    dp.put_samples(partition_id="t", sample_ids=["x", "y", "z"], fields={
         INPUT_IDS: nested_from_lengths(torch.arange(17), lengths),
         INPUT_LENGTHS: lengths,
     })
     with pytest.raises(ValueError, match=r"'advantages' is per-token.*\('x', 1, 5\)"):
-        dp.put_samples(["x", "y", "z"], "t", {
+        dp.put_samples(partition_id="t", sample_ids=["x", "y", "z"], fields={
             "advantages": nested_from_lengths(torch.zeros(3), torch.tensor([1, 1, 1]))})
-    assert dp.get_samples(["x"], "t", [INPUT_IDS])[INPUT_IDS][0].tolist() == [0, 1, 2, 3, 4]
+    assert dp.get_samples(
+        partition_id="t", sample_ids=["x"], select_fields=[INPUT_IDS]
+    )[INPUT_IDS][0].tolist() == [0, 1, 2, 3, 4]
     with pytest.raises(KeyError):
-        dp.get_samples(["x"], "t", ["advantages"])
+        dp.get_samples(partition_id="t", sample_ids=["x"], select_fields=["advantages"])
     with pytest.raises(ValueError, match="'input_ids' is per-token"):  # inconsistent in one put
-        dp.put_samples(["w"], "t", {INPUT_IDS: nested_from_lengths(torch.arange(2), torch.tensor([2])),
+        dp.put_samples(partition_id="t", sample_ids=["w"], fields={INPUT_IDS: nested_from_lengths(torch.arange(2), torch.tensor([2])),
                                     INPUT_LENGTHS: torch.tensor([3])})
 
 
@@ -235,12 +257,22 @@ def test_per_token_write_back_must_match_the_stored_input_lengths():
 def test_a_dense_field_becomes_jagged_when_a_row_of_another_length_joins():
     dp = LocalDataPlane()
     dp.register_partition("s", ["tok", "n"])
-    dp.put_samples(["a"], "s", {"tok": torch.tensor([[1, 2, 3, 4, 5]]), "n": torch.tensor([5])})
-    assert not dp.get_samples(["a"], "s", ["tok"])["tok"].is_nested
-    dp.put_samples(["b"], "s", {"tok": torch.tensor([[7, 8, 9, 10, 11, 12, 13]]), "n": torch.tensor([7])})
-    dp.put_samples(["c"], "s", {"tok": nested_from_lengths(torch.tensor([1]), torch.tensor([1])),
+    dp.put_samples(
+        partition_id="s",
+        sample_ids=["a"],
+        fields={"tok": torch.tensor([[1, 2, 3, 4, 5]]), "n": torch.tensor([5])},
+    )
+    assert not dp.get_samples(
+        partition_id="s", sample_ids=["a"], select_fields=["tok"]
+    )["tok"].is_nested
+    dp.put_samples(
+        partition_id="s",
+        sample_ids=["b"],
+        fields={"tok": torch.tensor([[7, 8, 9, 10, 11, 12, 13]]), "n": torch.tensor([7])},
+    )
+    dp.put_samples(partition_id="s", sample_ids=["c"], fields={"tok": nested_from_lengths(torch.tensor([1]), torch.tensor([1])),
                                 "n": torch.tensor([1])})
-    out = dp.get_samples(["a", "b", "c"], "s", ["tok"])["tok"]
+    out = dp.get_samples(partition_id="s", sample_ids=["a", "b", "c"], select_fields=["tok"])["tok"]
     assert out.is_nested
     assert [r.tolist() for r in out.unbind()] == [[1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12, 13], [1]]
 
@@ -253,12 +285,16 @@ def test_a_dense_field_becomes_jagged_when_a_row_of_another_length_joins():
 def test_dtype_rank_and_trailing_changes_are_still_refused(value, match):
     dp = LocalDataPlane()
     dp.register_partition("s", [])
-    dp.put_samples(["a"], "s", {"tok": torch.ones(1, 5, dtype=torch.int64)})
+    dp.put_samples(
+        partition_id="s", sample_ids=["a"], fields={"tok": torch.ones(1, 5, dtype=torch.int64)}
+    )
     with pytest.raises(TypeError, match=f"'tok' {match}"):
-        dp.put_samples(["b"], "s", {"tok": value})
-    dp.put_samples(["m"], "s", {"img": torch.ones(1, 4, 3)})
+        dp.put_samples(partition_id="s", sample_ids=["b"], fields={"tok": value})
+    dp.put_samples(partition_id="s", sample_ids=["m"], fields={"img": torch.ones(1, 4, 3)})
     with pytest.raises(TypeError, match="'img' shape mismatch"):
-        dp.put_samples(["n"], "s", {"img": torch.ones(1, 4, 2)})  # trailing dim change
+        dp.put_samples(
+            partition_id="s", sample_ids=["n"], fields={"img": torch.ones(1, 4, 2)}
+        )  # trailing dim change
     assert dp.list_sample_ids("s") == ["a", "m"]
 
 
@@ -268,13 +304,15 @@ def test_clearing_every_row_returns_the_buffers():
     dp.register_partition("m", [])
     n = 512
     ids = [f"r{i}" for i in range(n)]
-    dp.put_samples(ids, "m", {"tok": nested_from_lengths(torch.arange(n * 300), torch.full((n,), 300)),
+    dp.put_samples(partition_id="m", sample_ids=ids, fields={"tok": nested_from_lengths(torch.arange(n * 300), torch.full((n,), 300)),
                               "r": torch.zeros(n, 64)})
     peak = dp.stats()["bytes_held"]
-    dp.clear_samples(ids[: n - 8], "m")  # most rows gone: compaction hands back the garbage
+    dp.clear_samples(
+        partition_id="m", sample_ids=ids[: n - 8]
+    )  # most rows gone: compaction hands back the garbage
     partial = dp.stats()["bytes_held"]
     assert partial < 0.6 * peak
-    dp.clear_samples(ids, "m")
+    dp.clear_samples(partition_id="m", sample_ids=ids)
     stats = dp.stats()
     assert stats["rows"] == 0 and stats["live_bytes"] == 0
     assert stats["bytes_held"] <= 0.1 * peak
@@ -283,12 +321,22 @@ def test_clearing_every_row_returns_the_buffers():
 def test_capacity_bytes_refuses_a_put_that_would_pass_it_and_writes_nothing():
     dp = LocalDataPlane(capacity_bytes=10_000)
     dp.register_partition("c", [])
-    dp.put_samples(["a"], "c", {"x": torch.zeros(1, 1000, dtype=torch.float32)})  # 4,000 bytes
+    dp.put_samples(
+        partition_id="c", sample_ids=["a"], fields={"x": torch.zeros(1, 1000, dtype=torch.float32)}
+    )  # 4,000 bytes
     with pytest.raises(CapacityError, match="capacity_bytes=10000"):
-        dp.put_samples(["b", "c"], "c", {"x": torch.zeros(2, 1000, dtype=torch.float32)})
+        dp.put_samples(
+            partition_id="c",
+            sample_ids=["b", "c"],
+            fields={"x": torch.zeros(2, 1000, dtype=torch.float32)},
+        )
     assert dp.list_sample_ids("c") == ["a"]
-    dp.clear_samples(["a"], "c")
-    dp.put_samples(["b", "c"], "c", {"x": torch.zeros(2, 1000, dtype=torch.float32)})
+    dp.clear_samples(partition_id="c", sample_ids=["a"])
+    dp.put_samples(
+        partition_id="c",
+        sample_ids=["b", "c"],
+        fields={"x": torch.zeros(2, 1000, dtype=torch.float32)},
+    )
     with pytest.raises(TypeError, match="capacity_bytes must be an int"):
         LocalDataPlane(capacity_bytes="1GB")
     assert LocalDataPlane().capacity_bytes > 0
@@ -303,15 +351,22 @@ def test_ppo_write_back_compacts_a_bounded_number_of_times():
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(1, 64, (n,), generator=g)
     ids = [f"s{i}" for i in range(n)]
-    dp.put_samples(ids, "w", {"adv": nested_from_lengths(torch.zeros(int(lengths.sum())), lengths)})
+    dp.put_samples(
+        partition_id="w",
+        sample_ids=ids,
+        fields={"adv": nested_from_lengths(torch.zeros(int(lengths.sum())), lengths)},
+    )
     for _ in range(3):
         for start in range(0, n, 8):
             part = lengths[start : start + 8]
-            dp.put_samples(ids[start : start + 8], "w",
-                           {"adv": nested_from_lengths(torch.ones(int(part.sum())), part)})
+            dp.put_samples(
+                partition_id="w",
+                sample_ids=ids[start : start + 8],
+                fields={"adv": nested_from_lengths(torch.ones(int(part.sum())), part)},
+            )
     # every overwrite leaves garbage equal to what it writes: one compaction per doubling
     assert dp.compactions() <= 6
-    out = dp.get_samples(ids[:3], "w", ["adv"])["adv"]
+    out = dp.get_samples(partition_id="w", sample_ids=ids[:3], select_fields=["adv"])["adv"]
     assert [len(r) for r in out.unbind()] == lengths[:3].tolist()
 
 
@@ -327,9 +382,15 @@ def test_dense_and_jagged_rows_of_every_copyable_dtype_round_trip(dtype):
     dp.register_partition("d", [])
     base = torch.arange(12).reshape(3, 4) % 2
     dense = base.to(torch.float32).to(dtype) if dtype.is_floating_point else base.to(dtype)
-    dp.put_samples(["a", "b", "c"], "d", {"x": dense, "j": nested_from_lengths(dense.reshape(-1), torch.tensor([4, 4, 4]))})
-    dp.put_samples(["c", "a"], "d", {"x": dense[:2]})  # a scattered multi-row overwrite
-    got = dp.get_samples(["a", "b", "c"], "d", ["x", "j"])
+    dp.put_samples(
+        partition_id="d",
+        sample_ids=["a", "b", "c"],
+        fields={"x": dense, "j": nested_from_lengths(dense.reshape(-1), torch.tensor([4, 4, 4]))},
+    )
+    dp.put_samples(
+        partition_id="d", sample_ids=["c", "a"], fields={"x": dense[:2]}
+    )  # a scattered multi-row overwrite
+    got = dp.get_samples(partition_id="d", sample_ids=["a", "b", "c"], select_fields=["x", "j"])
     want = dense[[1, 1, 0]]
     assert got["x"].dtype == dtype
     assert torch.equal(got["x"].view(torch.uint8), want.view(torch.uint8))
@@ -344,7 +405,9 @@ def test_a_dtype_torch_cannot_copy_is_refused_before_anything_is_written():
     except (RuntimeError, TypeError):
         pytest.skip("this torch cannot build a uint4 tensor")
     with pytest.raises(TypeError, match="'x' has dtype torch.uint4"):
-        dp.put_samples(["a", "b"], "d", {"ok": torch.zeros(2), "x": odd})
+        dp.put_samples(
+            partition_id="d", sample_ids=["a", "b"], fields={"ok": torch.zeros(2), "x": odd}
+        )
     assert dp.list_sample_ids("d") == []
 
 
@@ -358,41 +421,51 @@ def staged() -> LocalDataPlane:
     d = LocalDataPlane()
     d.register_partition("b", [], consumer_tasks=["t"])
     for i in range(5):  # the first row validates the layout; the rest are buffered
-        d.put_samples([f"r{i}"], "b", _row(i), tags=[{"i": i}])
+        d.put_samples(partition_id="b", sample_ids=[f"r{i}"], fields=_row(i), tags=[{"i": i}])
     return d
 
 
 def test_buffered_one_row_puts_are_readable_claimable_and_counted_at_once(staged):
     assert staged._partitions["b"].buffered  # the fast path was taken
-    got = staged.get_samples(["r4", "r0"], "b", ["tok", "n", "f"])
+    got = staged.get_samples(
+        partition_id="b", sample_ids=["r4", "r0"], select_fields=["tok", "n", "f"]
+    )
     assert got["tok"].tolist() == [[4, 5, 6], [0, 1, 2]] and got["n"].tolist() == [4, 0]
-    staged.put_samples(["r5"], "b", _row(5))
+    staged.put_samples(partition_id="b", sample_ids=["r5"], fields=_row(5))
     meta = staged.claim_meta("b", "t", ["tok"], batch_size=10, blocking=False)
     assert meta.sample_ids == [f"r{i}" for i in range(6)]
-    assert staged.stats()["rows"] == 6 and staged.get_tags(["r3"], "b") == [{"i": 3}]
+    assert staged.stats()["rows"] == 6 and staged.get_tags(
+        partition_id="b", sample_ids=["r3"]
+    ) == [{"i": 3}]
 
 
 def test_a_buffered_row_is_a_copy_of_the_callers_tensors(staged):
     row = _row(7)
-    staged.put_samples(["r7"], "b", row)
+    staged.put_samples(partition_id="b", sample_ids=["r7"], fields=row)
     row["tok"].fill_(-1)
     row["n"].fill_(-1)
-    assert staged.get_samples(["r7"], "b", ["tok", "n"])["tok"].tolist() == [[7, 8, 9]]
+    assert staged.get_samples(
+        partition_id="b", sample_ids=["r7"], select_fields=["tok", "n"]
+    )["tok"].tolist() == [[7, 8, 9]]
 
 
 def test_an_overwrite_after_buffered_puts_lands_last(staged):
-    staged.put_samples(["r9"], "b", _row(9))
-    staged.put_samples(["r9"], "b", _row(1))  # an existing id: the full path, after a flush
-    assert staged.get_samples(["r9"], "b", ["n"])["n"].tolist() == [1]
+    staged.put_samples(partition_id="b", sample_ids=["r9"], fields=_row(9))
+    staged.put_samples(
+        partition_id="b", sample_ids=["r9"], fields=_row(1)
+    )  # an existing id: the full path, after a flush
+    assert staged.get_samples(
+        partition_id="b", sample_ids=["r9"], select_fields=["n"]
+    )["n"].tolist() == [1]
 
 
 def test_bad_input_on_a_known_layout_is_still_refused_whole(staged):
     sparse = {**_row(8), "f": torch.tensor([[0.5]]).to_sparse()}
     with pytest.raises(TypeError, match="'f' has layout"):
-        staged.put_samples(["r8"], "b", sparse)
+        staged.put_samples(partition_id="b", sample_ids=["r8"], fields=sparse)
     wide = {**_row(8), "n": torch.tensor([8], dtype=torch.int32)}
     with pytest.raises(TypeError, match="'n' dtype mismatch"):
-        staged.put_samples(["r8"], "b", wide)
+        staged.put_samples(partition_id="b", sample_ids=["r8"], fields=wide)
     assert "r8" not in staged.list_sample_ids("b")
 
 
@@ -400,21 +473,23 @@ def test_buffered_puts_respect_num_samples_and_capacity():
     d = LocalDataPlane(capacity_bytes=10**6)
     d.register_partition("b", [], num_samples=3)
     for i in range(3):
-        d.put_samples([f"r{i}"], "b", _row(i))
+        d.put_samples(partition_id="b", sample_ids=[f"r{i}"], fields=_row(i))
     with pytest.raises(CapacityError, match="num_samples=3"):
-        d.put_samples(["r3"], "b", _row(3))
+        d.put_samples(partition_id="b", sample_ids=["r3"], fields=_row(3))
     assert d.list_sample_ids("b") == ["r0", "r1", "r2"]
 
 
 def test_a_flush_that_runs_out_of_memory_keeps_the_acknowledged_rows(staged, monkeypatch):
     for i in range(5, 40):
-        staged.put_samples([f"r{i}"], "b", _row(i))
+        staged.put_samples(partition_id="b", sample_ids=[f"r{i}"], fields=_row(i))
     real = _columns._grown
     monkeypatch.setattr(_columns, "_grown", lambda buf, need: (_ for _ in ()).throw(MemoryError("injected")))
     with pytest.raises(MemoryError):
-        staged.get_samples(["r0"], "b", ["n"])
+        staged.get_samples(partition_id="b", sample_ids=["r0"], select_fields=["n"])
     monkeypatch.setattr(_columns, "_grown", real)
-    got = staged.get_samples([f"r{i}" for i in range(40)], "b", ["n", "tok"])
+    got = staged.get_samples(
+        partition_id="b", sample_ids=[f"r{i}" for i in range(40)], select_fields=["n", "tok"]
+    )
     assert got["n"].tolist() == list(range(40))
     assert [r.tolist() for r in got["tok"]][39] == [39, 40, 41]
 
@@ -424,16 +499,16 @@ def test_rows_whose_jagged_lengths_vary_are_buffered_and_read_back_exactly():
     d.register_partition("v", [], jagged_fields=["tok"])
     rows = {f"r{i}": torch.arange(i + 1) * 3 for i in range(10)}  # lengths 1..10
     for sid, tok in rows.items():
-        d.put_samples([sid], "v", {"tok": tok[None], "n": torch.tensor([len(tok)]),
+        d.put_samples(partition_id="v", sample_ids=[sid], fields={"tok": tok[None], "n": torch.tensor([len(tok)]),
                                   "m": torch.ones(1, 3)})
     assert len(d._partitions["v"].buffered) == 9  # only the first row took the full path
-    got = d.get_samples(list(rows), "v", ["tok", "n"])
+    got = d.get_samples(partition_id="v", sample_ids=list(rows), select_fields=["tok", "n"])
     assert [r.tolist() for r in got["tok"].unbind()] == [t.tolist() for t in rows.values()]
     assert got["n"].tolist() == list(range(1, 11))
     # a dense field of another width does not fit the plan: full path, the column turns jagged
-    d.put_samples(["w"], "v", {"tok": torch.tensor([[7]]), "n": torch.tensor([1]),
+    d.put_samples(partition_id="v", sample_ids=["w"], fields={"tok": torch.tensor([[7]]), "n": torch.tensor([1]),
                                "m": torch.ones(1, 2)})
-    got = d.get_samples(["r0", "w"], "v", ["m"])["m"]
+    got = d.get_samples(partition_id="v", sample_ids=["r0", "w"], select_fields=["m"])["m"]
     assert got.is_nested and [len(r) for r in got.unbind()] == [3, 2]
 
 
@@ -444,11 +519,21 @@ def test_freed_large_buffers_are_reused_only_once_no_read_holds_them_and_close_r
     d.register_partition("m", [])
     ids = [f"r{i}" for i in range(64)]
     values = torch.arange(64 * 8192, dtype=torch.float32)
-    d.put_samples(ids, "m", {"x": nested_from_lengths(values, torch.full((64,), 8192))})  # 2 MiB
-    view = d.get_samples(ids, "m", ["x"])["x"].values()  # a view of the store's buffer
-    d.clear_samples(ids, "m")
+    d.put_samples(
+        partition_id="m",
+        sample_ids=ids,
+        fields={"x": nested_from_lengths(values, torch.full((64,), 8192))},
+    )  # 2 MiB
+    view = d.get_samples(
+        partition_id="m", sample_ids=ids, select_fields=["x"]
+    )["x"].values()  # a view of the store's buffer
+    d.clear_samples(partition_id="m", sample_ids=ids)
     assert d.stats()["bytes_cached"] >= values.nbytes
-    d.put_samples(ids, "m", {"x": nested_from_lengths(torch.zeros_like(values), torch.full((64,), 8192))})
+    d.put_samples(
+        partition_id="m",
+        sample_ids=ids,
+        fields={"x": nested_from_lengths(torch.zeros_like(values), torch.full((64,), 8192))},
+    )
     assert torch.equal(view, values)  # the held buffer was not handed out again
     d.close()
     assert POOL.nbytes == 0

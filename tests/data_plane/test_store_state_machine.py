@@ -208,7 +208,7 @@ class StoreMachine(RuleBasedStateMachine):
                 self._check_read(holders, name)
 
     def _check_read(self, ids: list[str], name: str) -> None:
-        got = self.dp.get_samples(ids, self.pid, [name])[name]
+        got = self.dp.get_samples(partition_id=self.pid, sample_ids=ids, select_fields=[name])[name]
         rows = got.unbind() if got.is_nested else list(got)
         assert len(rows) == len(ids)
         for sid, row in zip(ids, rows, strict=True):
@@ -259,14 +259,16 @@ class StoreMachine(RuleBasedStateMachine):
         if refused:
             self._count(f"put_refused_{refused[0][1].__name__}")
             with pytest.raises(ERRORS) as info:
-                self.dp.put_samples(ids, self.pid, payload, mode=mode)
+                self.dp.put_samples(
+                    partition_id=self.pid, sample_ids=ids, fields=payload, mode=mode
+                )
             named = [repr(n) for n, _ in refused if n is not None]
             if named:
                 assert any(n in str(info.value) for n in named), (refused, str(info.value))
             self.everything_matches()
             return
         self._count(f"put_{mode}_{len(ids) == 1 and 'one' or 'many'}")
-        self.dp.put_samples(ids, self.pid, payload, mode=mode)
+        self.dp.put_samples(partition_id=self.pid, sample_ids=ids, fields=payload, mode=mode)
         self.specs.update(after)
         for name, per_row in rows.items():
             for sid, row in zip(ids, per_row):
@@ -337,7 +339,7 @@ class StoreMachine(RuleBasedStateMachine):
         ids = data.draw(st.lists(st.sampled_from(holders), min_size=1, unique=True))
         ids = data.draw(st.permutations(ids))
         self._count("read")
-        got = self.dp.get_samples(ids, self.pid, names)
+        got = self.dp.get_samples(partition_id=self.pid, sample_ids=ids, select_fields=names)
         assert sorted(got.keys()) == sorted(names)
         for name in names:
             self._check_read(ids, name)
@@ -353,7 +355,7 @@ class StoreMachine(RuleBasedStateMachine):
             return
         self._count("read_refused")
         with pytest.raises(KeyError):
-            self.dp.get_samples(ids, self.pid, [name])
+            self.dp.get_samples(partition_id=self.pid, sample_ids=ids, select_fields=[name])
 
     @rule(names=st.lists(st.sampled_from(FIELDS), min_size=1, max_size=2, unique=True))
     def claim(self, names):
@@ -371,7 +373,7 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(ids=st.one_of(st.none(), st.lists(st.sampled_from(IDS), max_size=5, unique=True)))
     def clear(self, ids):
         self._count("clear_all" if ids is None else "clear_ids")
-        self.dp.clear_samples(ids, self.pid)
+        self.dp.clear_samples(partition_id=self.pid, sample_ids=ids)
         if ids is None:
             self.rows.clear()
             self.claimed.clear()
@@ -413,7 +415,7 @@ class StoreMachine(RuleBasedStateMachine):
         try:
             self.everything_matches()
         finally:
-            self.dp.clear_samples(None, self.pid)
+            self.dp.clear_samples(partition_id=self.pid, sample_ids=None)
             self.dp.close()
 
 
@@ -491,5 +493,5 @@ def test_a_put_of_another_dtype_into_a_field_turned_jagged_is_refused(backend, d
         assert torch.equal(rows[0], torch.arange(5)) and torch.equal(rows[1], torch.arange(7))
         assert dp.list_sample_ids(pid) == ["a", "b"]
     finally:
-        dp.clear_samples(None, pid)
+        dp.clear_samples(partition_id=pid, sample_ids=None)
         dp.close()

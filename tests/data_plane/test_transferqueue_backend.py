@@ -31,44 +31,64 @@ def tq(tq_session):
 
 def test_a_dtype_change_is_refused_before_transferqueue_sees_it(tq):
     # TransferQueue itself accepts this put and later casts mixed reads (reference §5.1).
-    tq.put_samples(["a"], "train", {"lp": ragged([3], torch.float32)})
+    tq.put_samples(
+        partition_id="train", sample_ids=["a"], fields={"lp": ragged([3], torch.float32)}
+    )
     with pytest.raises(TypeError, match="'lp' dtype mismatch"):
-        tq.put_samples(["b"], "train", {"lp": ragged([2], torch.float64)})
+        tq.put_samples(
+            partition_id="train", sample_ids=["b"], fields={"lp": ragged([2], torch.float64)}
+        )
     assert tq.list_sample_ids("train") == ["a"]
 
 
 def test_short_reads_and_missing_fields_raise_instead_of_shrinking(tq):
     # TransferQueue drops missing keys and answers a missing field with an empty batch (§5.2-3).
-    tq.put_samples(["a", "b"], "train", {"r": torch.zeros(2)})
-    tq.put_samples(["a"], "train", {"adv": torch.ones(1)})
+    tq.put_samples(partition_id="train", sample_ids=["a", "b"], fields={"r": torch.zeros(2)})
+    tq.put_samples(partition_id="train", sample_ids=["a"], fields={"adv": torch.ones(1)})
     with pytest.raises(KeyError, match=r"1 unknown sample_ids.*'zz'"):
-        tq.get_samples(["a", "zz"], "train", ["r"])
+        tq.get_samples(partition_id="train", sample_ids=["a", "zz"], select_fields=["r"])
     with pytest.raises(KeyError, match=r"'adv' not written for 1 requested rows.*'b'"):
-        tq.get_samples(["a", "b"], "train", ["adv", "r"])
+        tq.get_samples(partition_id="train", sample_ids=["a", "b"], select_fields=["adv", "r"])
 
 
 def test_dense_fields_of_any_rank_come_back_dense(tq):
     img = torch.arange(2 * 3 * 4, dtype=torch.int32).reshape(2, 3, 4)
-    tq.put_samples(["a", "b"], "train", {"img": img, "tok": ragged([4, 1])})
-    td = tq.get_samples(["b", "a"], "train", ["img", "tok"])
+    tq.put_samples(
+        partition_id="train", sample_ids=["a", "b"], fields={"img": img, "tok": ragged([4, 1])}
+    )
+    td = tq.get_samples(partition_id="train", sample_ids=["b", "a"], select_fields=["img", "tok"])
     assert not td["img"].is_nested and torch.equal(td["img"], img.flip(0))
     assert td["tok"].layout == torch.jagged and [r.shape[0] for r in rows_of(td["tok"])] == [1, 4]
 
 
 def test_put_modes_insert_and_update(tq):
-    tq.put_samples(["a"], "train", {"r": torch.zeros(1)}, mode="insert")
+    tq.put_samples(
+        partition_id="train", sample_ids=["a"], fields={"r": torch.zeros(1)}, mode="insert"
+    )
     with pytest.raises(ValueError, match=r"already exist.*'a'"):
-        tq.put_samples(["a"], "train", {"r": torch.ones(1)}, mode="insert")
+        tq.put_samples(
+            partition_id="train", sample_ids=["a"], fields={"r": torch.ones(1)}, mode="insert"
+        )
     with pytest.raises(KeyError, match=r"never written.*'b'"):
-        tq.put_samples(["a", "b"], "train", {"r": torch.ones(2)}, mode="update")
-    tq.put_samples(["a"], "train", {"r": torch.ones(1)}, mode="update")
-    assert tq.get_samples(["a"], "train", ["r"])["r"].tolist() == [1.0]
+        tq.put_samples(
+            partition_id="train", sample_ids=["a", "b"], fields={"r": torch.ones(2)}, mode="update"
+        )
+    tq.put_samples(
+        partition_id="train", sample_ids=["a"], fields={"r": torch.ones(1)}, mode="update"
+    )
+    assert tq.get_samples(
+        partition_id="train", sample_ids=["a"], select_fields=["r"]
+    )["r"].tolist() == [1.0]
 
 
 def test_claims_hand_each_row_to_a_task_once(tq):
     tq.register_partition("roll", [], consumer_tasks=["trainer"])
     ids = [f"s{i}" for i in range(4)]
-    tq.put_samples(ids, "roll", {"input_ids": ragged([3, 1, 2, 5]), "input_lengths": torch.tensor([3, 1, 2, 5])})
+    tq.put_samples(
+        partition_id="roll",
+        sample_ids=ids,
+        fields={"input_ids": ragged([3, 1, 2, 5]), "input_lengths": torch.tensor([3, 1, 2, 5])},
+    )
     first = tq.claim_meta("roll", "trainer", ["input_ids"], batch_size=2)
     second = tq.claim_meta("roll", "trainer", ["input_ids"], batch_size=2)
     assert sorted(first.sample_ids + second.sample_ids) == ids
@@ -85,11 +105,15 @@ def test_a_client_shipped_to_a_ray_task_writes_where_the_driver_reads(tq, tq_ses
 
     @tq_session.remote(num_cpus=0)
     def write(client):
-        client.put_samples(["x", "y"], "train", {"tok": ragged([3, 2], torch.int64, seed=4)})
+        client.put_samples(
+            partition_id="train",
+            sample_ids=["x", "y"],
+            fields={"tok": ragged([3, 2], torch.int64, seed=4)},
+        )
         return client.list_sample_ids("train")
 
     assert tq_session.get(write.remote(tq), timeout=120) == ["x", "y"]
-    got = tq.get_samples(["y", "x"], "train", ["tok"])["tok"]
+    got = tq.get_samples(partition_id="train", sample_ids=["y", "x"], select_fields=["tok"])["tok"]
     want = rows_of(ragged([3, 2], torch.int64, seed=4))
     assert torch.equal(rows_of(got)[0], want[1]) and torch.equal(rows_of(got)[1], want[0])
     attached.close()  # detaches only
@@ -103,10 +127,10 @@ def test_stores_do_not_see_each_other(tq, tq_session):
 
     other = TransferQueueDataPlane(f"tq-{uuid.uuid4().hex[:8]}")
     try:
-        tq.put_samples(["a"], "train", {"r": torch.zeros(1)})
+        tq.put_samples(partition_id="train", sample_ids=["a"], fields={"r": torch.zeros(1)})
         assert other.list_sample_ids("train") == []
         with pytest.raises(KeyError, match="unknown partition"):
-            other.put_samples(["a"], "train", {"r": torch.zeros(1)})
+            other.put_samples(partition_id="train", sample_ids=["a"], fields={"r": torch.zeros(1)})
     finally:
         other.close()
 
@@ -148,12 +172,16 @@ def test_a_blocking_call_past_its_deadline_raises():
 
 
 def test_a_tags_only_put_creates_rows_and_tags_merge(tq):
-    tq.put_samples(["n"], "train", tags=[{"x": 1}])
-    tq.put_samples(["n"], "train", {"r": torch.zeros(1)}, tags=[{"y": 2}])
+    tq.put_samples(partition_id="train", sample_ids=["n"], tags=[{"x": 1}])
+    tq.put_samples(
+        partition_id="train", sample_ids=["n"], fields={"r": torch.zeros(1)}, tags=[{"y": 2}]
+    )
     assert tq.list_sample_ids("train") == ["n"]
-    assert tq.get_tags(["n"], "train") == [{"x": 1, "y": 2}]
+    assert tq.get_tags(partition_id="train", sample_ids=["n"]) == [{"x": 1, "y": 2}]
     with pytest.raises(ValueError, match="reserved"):
-        tq.put_samples(["__tq_plugin_schema__"], "train", {"r": torch.zeros(1)})
+        tq.put_samples(
+            partition_id="train", sample_ids=["__tq_plugin_schema__"], fields={"r": torch.zeros(1)}
+        )
 
 
 def test_a_claimed_row_always_has_its_tags(tq):
@@ -165,7 +193,12 @@ def test_a_claimed_row_always_has_its_tags(tq):
     def produce():
         try:
             for i in range(rounds):
-                tq.put_samples([f"r{i}"], "train", {"v": torch.tensor([i])}, tags=[{"ticket": i}])
+                tq.put_samples(
+                    partition_id="train",
+                    sample_ids=[f"r{i}"],
+                    fields={"v": torch.tensor([i])},
+                    tags=[{"ticket": i}],
+                )
         except Exception as e:  # noqa: BLE001 - reported by the assert below
             errors.append(e)
 
@@ -185,14 +218,24 @@ def test_an_emptied_partition_takes_a_field_of_another_dtype(tq, tq_session):
     puts: their rows landed under a schema without their fields)."""
     from tq_plugin.data_plane.backends.transferqueue import TransferQueueDataPlane
 
-    tq.put_samples(["a"], "train", {"lp": ragged([3], torch.float32)})
-    tq.clear_samples(["a"], "train")
-    tq.put_samples(["b"], "train", {"lp": ragged([2], torch.float64)})  # empty: may change
-    assert tq.get_samples(["b"], "train", ["lp"])["lp"].dtype == torch.float64
+    tq.put_samples(
+        partition_id="train", sample_ids=["a"], fields={"lp": ragged([3], torch.float32)}
+    )
+    tq.clear_samples(partition_id="train", sample_ids=["a"])
+    tq.put_samples(
+        partition_id="train", sample_ids=["b"], fields={"lp": ragged([2], torch.float64)}
+    )  # empty: may change
+    assert tq.get_samples(
+        partition_id="train", sample_ids=["b"], select_fields=["lp"]
+    )["lp"].dtype == torch.float64
     other = TransferQueueDataPlane(tq.store, _owner=False)  # another process's client
-    other.put_samples(["c"], "train", {"lp": ragged([1], torch.float64)})
-    tq.clear_samples(["b"], "train")  # leaves "c": its field stays readable
-    assert tq.get_samples(["c"], "train", ["lp"])["lp"].dtype == torch.float64
-    other.clear_samples(["c"], "train")
+    other.put_samples(
+        partition_id="train", sample_ids=["c"], fields={"lp": ragged([1], torch.float64)}
+    )
+    tq.clear_samples(partition_id="train", sample_ids=["b"])  # leaves "c": its field stays readable
+    assert tq.get_samples(
+        partition_id="train", sample_ids=["c"], select_fields=["lp"]
+    )["lp"].dtype == torch.float64
+    other.clear_samples(partition_id="train", sample_ids=["c"])
     with pytest.raises(KeyError):
-        tq.get_samples(["c"], "train", ["lp"])
+        tq.get_samples(partition_id="train", sample_ids=["c"], select_fields=["lp"])

@@ -100,10 +100,12 @@ def test_write_back_lands_under_the_step_keys_and_rows_clear_at_step_end(make_tr
         cb = DataPlaneCallback(shared, partitions=[partition_spec()], clear_rows=False)
         fit(make_trainer, model, [cb], source=source, num_steps=1)
         ids = source.sample_ids(0)
-        got = shared.get_samples(ids, "train", [PREV_LOGPROBS])[PREV_LOGPROBS]
+        got = shared.get_samples(
+            partition_id="train", sample_ids=ids, select_fields=[PREV_LOGPROBS]
+        )[PREV_LOGPROBS]
         assert [r.tolist() for r in got.unbind()] == [model.written[s] for s in ids]
         assert cb.rows_written == 4
-        shared.clear_samples(None, "train")
+        shared.clear_samples(partition_id="train", sample_ids=None)
     source = SyntheticRollouts(rows=4)
     fit(make_trainer, DemoPolicy(), [DataPlaneCallback(shared, partitions=[partition_spec()])],
         source=source)

@@ -195,7 +195,9 @@ def test_write_to_dataplane_lands_jagged_at_the_rows_lengths() -> None:
     host.dp_client = LocalDataPlane()
     step = _stored_step(host.dp_client, [2, 3])
     host.write_to_dataplane(step, {"advantages": torch.tensor([[1.0, 2.0, 0.0], [3.0, 4.0, 5.0]])})
-    got = host.dp_client.get_samples(step.sample_ids, "train", ["advantages"])["advantages"]
+    got = host.dp_client.get_samples(
+        partition_id="train", sample_ids=step.sample_ids, select_fields=["advantages"]
+    )["advantages"]
     assert [r.tolist() for r in got.unbind()] == [[1.0, 2.0], [3.0, 4.0, 5.0]]
 
 

@@ -23,12 +23,16 @@ class LedgerClient(LocalDataPlane):
 
     def get_samples(self, sample_ids: Any, partition_id: str, select_fields: Any) -> Any:
         self.ledger["read"] += list(sample_ids)
-        return super().get_samples(sample_ids, partition_id, select_fields)
+        return super().get_samples(
+            partition_id=partition_id, sample_ids=sample_ids, select_fields=select_fields
+        )
 
     def put_samples(self, sample_ids: Any, partition_id: str, fields: Any = None, tags: Any = None, **kw: Any) -> Any:
         if fields is not None and INPUT_IDS not in list(fields.keys()):
             self.ledger["written"] += list(sample_ids)
-        return super().put_samples(sample_ids, partition_id, fields, tags, **kw)
+        return super().put_samples(
+            partition_id=partition_id, sample_ids=sample_ids, fields=fields, tags=tags, **kw
+        )
 
 
 def run(make_trainer: Any, ckpt_dir: Path, max_steps: int, ckpt: str | None = None) -> tuple:

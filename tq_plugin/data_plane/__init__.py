@@ -6,6 +6,7 @@ Layering is one-way: column I/O, packing and sharding talk to a backend only thr
 
 from tq_plugin.data_plane.backends.local import LocalDataPlane
 from tq_plugin.data_plane.backends.ray_actor import RayDataPlane  # imports Ray only when built
+from tq_plugin.data_plane.calls import uniform_call
 from tq_plugin.data_plane.checkpoint import CheckpointError, Restored, load_into
 from tq_plugin.data_plane.client import (
     CapacityError,
@@ -88,6 +89,7 @@ __all__ = [  # noqa: RUF022  (grouped by kind, not sorted)
     "LocalDataPlane",
     "RayDataPlane",
     "call_dp",
+    "uniform_call",
     # checkpoints (the format and its guarantees: tq_plugin.data_plane.checkpoint)
     "CheckpointError",
     "Restored",

@@ -14,6 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from tensordict import TensorDictBase
 
+from tq_plugin.data_plane.calls import OLD_ORDER, as_keywords
 from tq_plugin.data_plane.meta import KVBatchMeta
 
 # A put's payload: a TensorDict with batch_size [N], or a plain mapping of name -> tensor whose
@@ -37,6 +38,17 @@ class CapacityError(RuntimeError):
 @runtime_checkable
 class DataPlaneClient(Protocol):
     """Keyed columnar store: one row per sample id, one column per field, per partition.
+
+    One calling convention (``tq_plugin.data_plane.calls``): the partition first, then the rows,
+    then the columns, and the row methods by keyword only::
+
+        client.put_samples(partition_id="p", sample_ids=ids, fields=batch)
+        client.get_samples(partition_id="p", sample_ids=ids, select_fields=["input_ids"])
+        client.clear_samples(partition_id="p", sample_ids=ids)
+
+    Each backend decorates its row methods with ``calls.uniform_call``: for one release a
+    positional call in the old order (``sample_ids, partition_id, ...``) still works and emits
+    a ``DeprecationWarning`` naming the keyword call.
 
     Contract shared by every backend (the conformance suite in ``tests/data_plane`` pins it):
 
@@ -64,16 +76,16 @@ class DataPlaneClient(Protocol):
 
     def put_samples(
         self,
-        sample_ids: Sequence[str],
+        *,
         partition_id: str,
+        sample_ids: Sequence[str],
         fields: FieldsLike | None = None,
         tags: Sequence[Mapping[str, Any]] | None = None,
-        *,
         mode: str = "upsert",
     ) -> KVBatchMeta: ...
 
     def get_samples(
-        self, sample_ids: Sequence[str], partition_id: str, select_fields: Sequence[str]
+        self, *, partition_id: str, sample_ids: Sequence[str], select_fields: Sequence[str]
     ) -> TensorDictBase: ...
 
     def claim_meta(
@@ -93,7 +105,9 @@ class DataPlaneClient(Protocol):
 
     def check_consumption_status(self, partition_id: str, task_names: Sequence[str]) -> bool: ...
 
-    def clear_samples(self, sample_ids: Sequence[str] | None, partition_id: str) -> None: ...
+    def clear_samples(
+        self, *, partition_id: str, sample_ids: Sequence[str] | None = None
+    ) -> None: ...
 
     def list_sample_ids(self, partition_id: str) -> list[str]: ...
 
@@ -116,14 +130,19 @@ CLIENT_METHODS = (
 _SIGNATURES = {name: inspect.signature(getattr(DataPlaneClient, name)) for name in CLIENT_METHODS}
 
 
-def bind_keywords(method_name: str, args: tuple, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """A protocol call's arguments as keywords (positional ones named by the protocol).
+def bind_keywords(
+    method_name: str, args: tuple, kwargs: Mapping[str, Any], *, stacklevel: int = 2
+) -> dict[str, Any]:
+    """A protocol call's arguments as keywords (positional ones named by the protocol; a row
+    method's by its deprecated old order, warning at ``stacklevel`` as ``calls.as_keywords``).
 
     Raises ``TypeError`` for an unknown method or arguments the protocol does not take.
     """
     sig = _SIGNATURES.get(method_name)
     if sig is None:
         raise TypeError(f"{method_name!r} is not a DataPlaneClient method ({', '.join(CLIENT_METHODS)})")
+    if args and method_name in OLD_ORDER:
+        kwargs, args = as_keywords(method_name, args, kwargs, stacklevel=stacklevel + 1), ()
     bound = sig.bind(None, *args, **kwargs)
     bound.arguments.pop("self")
     return dict(bound.arguments)

@@ -41,7 +41,7 @@ class MeteredClient:
         return DataPlaneCounters(**asdict(self.counters))
 
     def _call(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
-        kw = bind_keywords(method, args, kwargs)
+        kw = bind_keywords(method, args, kwargs, stacklevel=3)  # warns at the wrapper's caller
         if method == "close":
             return call_dp(self.inner, "close")
         start = time.perf_counter()
@@ -57,7 +57,7 @@ class MeteredClient:
         elif method in ("get_samples", "get_data"):
             c.rows_read += int(out.batch_size[0]) if out.batch_size else 0
             c.bytes_read += payload_bytes(out)
-        elif method == "clear_samples" and kw["sample_ids"] is not None:
+        elif method == "clear_samples" and kw.get("sample_ids") is not None:
             c.rows_cleared += len(kw["sample_ids"])
         return out
 

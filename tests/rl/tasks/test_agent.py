@@ -104,7 +104,9 @@ def test_a_step_of_agent_rollouts_is_staged_and_verified(tiny, tmp_path):
                                                          "s0-p1-g1"]
         meta = reassembler.finalize_group(batch.receipts, partition_id="train")
         assert meta.size == 4
-        td = client.get_samples(meta.sample_ids, "train", [TOTAL_REWARD])
+        td = client.get_samples(
+            partition_id="train", sample_ids=meta.sample_ids, select_fields=[TOTAL_REWARD]
+        )
         torch.testing.assert_close(td[TOTAL_REWARD], batch.rewards)
         # the next step's rollouts have their own ids and rows of the stream
         batch = runner.run(engine, step=1, prompts=1, group_size=2,

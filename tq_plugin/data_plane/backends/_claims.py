@@ -125,7 +125,9 @@ class TaskCursors:
         names = list(select_fields) if select_fields else list(meta.fields or ())
         if not names:
             raise ValueError("get_data: pass select_fields or a meta with fields; there is no fetch-all")
-        return self.get_samples(meta.sample_ids, meta.partition_id, names)
+        return self.get_samples(
+            partition_id=meta.partition_id, sample_ids=meta.sample_ids, select_fields=names
+        )
 
     def check_consumption_status(self, partition_id: str, task_names: Sequence[str]) -> bool:
         """True iff every listed task has claimed every live row of the partition."""

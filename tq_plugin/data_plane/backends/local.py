@@ -39,6 +39,7 @@ from tq_plugin.data_plane.backends._validate import (
     str_list,
 )
 from tq_plugin.data_plane.backends._writes import WritePath
+from tq_plugin.data_plane.calls import uniform_call
 from tq_plugin.data_plane.checkpoint import PartitionSnapshot, load_into, save_store
 from tq_plugin.data_plane.client import (
     DataPlaneClosedError,
@@ -200,13 +201,14 @@ class LocalDataPlane(WritePath, RowBuffer, TaskCursors):
                     part.pending[task] = dict.fromkeys(order)
 
     # ------------------------------------------------------------------ writes
+    @uniform_call
     def put_samples(
         self,
-        sample_ids: Sequence[str],
+        *,
         partition_id: str,
+        sample_ids: Sequence[str],
         fields: FieldsLike | None = None,
         tags: Sequence[Mapping[str, Any]] | None = None,
-        *,
         mode: str = "upsert",
     ) -> KVBatchMeta:
         """Write ``fields`` (and ``tags``) for ``sample_ids``: all of it, or nothing.
@@ -250,8 +252,9 @@ class LocalDataPlane(WritePath, RowBuffer, TaskCursors):
         )
 
     # ------------------------------------------------------------------ reads
+    @uniform_call
     def get_samples(
-        self, sample_ids: Sequence[str], partition_id: str, select_fields: Sequence[str]
+        self, *, partition_id: str, sample_ids: Sequence[str], select_fields: Sequence[str]
     ) -> TensorDict:
         """Exactly the requested rows, in request order, as a ``TensorDict`` of batch ``[N]``.
 
@@ -309,7 +312,8 @@ class LocalDataPlane(WritePath, RowBuffer, TaskCursors):
                     out[name] = col.read(slots)  # type: ignore[assignment]
         return batch_of(out, len(ids))
 
-    def get_tags(self, sample_ids: Sequence[str], partition_id: str) -> list[dict[str, Any]]:
+    @uniform_call
+    def get_tags(self, *, partition_id: str, sample_ids: Sequence[str]) -> list[dict[str, Any]]:
         """A copy of the tags stored for each id (empty dict when none), in request order."""
         ids = str_list(sample_ids, "get_tags", "sample_ids", unique=False)
         with self._lock:
@@ -333,7 +337,8 @@ class LocalDataPlane(WritePath, RowBuffer, TaskCursors):
             return sorted(self._partitions)
 
     # ------------------------------------------------------------------ clears
-    def clear_samples(self, sample_ids: Sequence[str] | None, partition_id: str) -> None:
+    @uniform_call
+    def clear_samples(self, *, partition_id: str, sample_ids: Sequence[str] | None = None) -> None:
         """Drop rows (idempotent: unknown ids are ignored). ``None`` drops the whole partition.
 
         Memory goes back as rows go: freed slots are reused, jagged buffers are compacted once
@@ -349,9 +354,9 @@ class LocalDataPlane(WritePath, RowBuffer, TaskCursors):
             if ids is None:
                 if part is None or not part.slot_of:
                     warnings.warn(
-                        f"clear_samples(None, {partition_id!r}) found nothing to clear",
+                        f"clear_samples(partition_id={partition_id!r}) found nothing to clear",
                         RuntimeWarning,
-                        stacklevel=2,
+                        stacklevel=3,  # the caller of uniform_call's wrapper
                     )
                 if part is not None:
                     self._live_bytes -= part.live_bytes + sum(r[4] for r in part.buffered)

@@ -54,6 +54,7 @@ from tq_plugin.data_plane.backends.ray_columns import (
     stage_block,
     staged_blocks,
 )
+from tq_plugin.data_plane.calls import uniform_call
 from tq_plugin.data_plane.checkpoint import Restored, load_into
 from tq_plugin.data_plane.client import DataPlaneClosedError, FieldsLike
 from tq_plugin.data_plane.meta import KVBatchMeta
@@ -83,7 +84,8 @@ def _listed(values: Any) -> Any:
 class _RefStore(LocalDataPlane):
     """``LocalDataPlane``'s schema, validation, claims and bookkeeping, over ``RefColumn``s."""
 
-    def put_samples(self, sample_ids, partition_id, fields=None, tags=None, **options):  # type: ignore[override]
+    @uniform_call
+    def put_samples(self, *, partition_id, sample_ids, fields=None, tags=None, **options):  # type: ignore[override]
         # A client's payload comes encoded (``encode_fields``); a checkpoint restored in the actor
         # puts tensors.
         fields = decode_fields(fields) if isinstance(fields, tuple) else fields
@@ -120,11 +122,11 @@ class _RefStore(LocalDataPlane):
             part.columns.update(before)
             raise
 
-    def locate(self, sample_ids: Sequence[str], partition_id: str, select_fields: Sequence[str]) -> dict:
+    def locate(self, *, partition_id: str, sample_ids: Sequence[str], select_fields: Sequence[str]) -> dict:
         """Validate a read exactly as ``get_samples`` does; answer with where the rows are."""
         ids, names = list(sample_ids), list(select_fields)
         with self._lock:  # one snapshot: a concurrent clear cannot free a block we hand out
-            self.get_samples(ids, partition_id, names)
+            self.get_samples(partition_id=partition_id, sample_ids=ids, select_fields=names)
             part = self._partitions[partition_id]
             slots = np.array([part.slot_of[s] for s in ids], dtype=np.int64)
             plan = {}
@@ -284,10 +286,12 @@ class RayDataPlane:
             jagged_fields=None if jagged_fields is None else list(jagged_fields),
         )
 
+    @uniform_call
     def put_samples(
         self,
-        sample_ids: Sequence[str],
+        *,
         partition_id: str,
+        sample_ids: Sequence[str],
         fields: FieldsLike | None = None,
         tags: Sequence[Mapping[str, Any]] | None = None,
         **options: Any,
@@ -299,8 +303,9 @@ class RayDataPlane:
             **options,
         )
 
+    @uniform_call
     def get_samples(
-        self, sample_ids: Sequence[str], partition_id: str, select_fields: Sequence[str]
+        self, *, partition_id: str, sample_ids: Sequence[str], select_fields: Sequence[str]
     ) -> TensorDict:
         plan = self._call("locate", sample_ids=_listed(sample_ids), partition_id=partition_id,
                           select_fields=_listed(select_fields))
@@ -322,16 +327,18 @@ class RayDataPlane:
     # Reads a claimed meta's rows through get_samples, exactly as the embedded store does.
     get_data = TaskCursors.get_data
 
-    def get_tags(self, sample_ids: Sequence[str], partition_id: str) -> list[dict[str, Any]]:
+    @uniform_call
+    def get_tags(self, *, partition_id: str, sample_ids: Sequence[str]) -> list[dict[str, Any]]:
         return self._call("get_tags", sample_ids=_listed(sample_ids), partition_id=partition_id)
 
-    def clear_samples(self, sample_ids: Sequence[str] | None, partition_id: str) -> None:
+    @uniform_call
+    def clear_samples(self, *, partition_id: str, sample_ids: Sequence[str] | None = None) -> None:
         if sample_ids is None and not self._call("list_sample_ids", partition_id=partition_id):
             # The actor's own warning stays in the actor's log; say it where the caller sees it.
             warnings.warn(
-                f"clear_samples(None, {partition_id!r}) found nothing to clear",
+                f"clear_samples(partition_id={partition_id!r}) found nothing to clear",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=3,  # the caller of uniform_call's wrapper
             )
         self._call("clear_samples", sample_ids=None if sample_ids is None else _listed(sample_ids),
                    partition_id=partition_id)

@@ -49,6 +49,7 @@ from tq_plugin.data_plane.backends.transferqueue_service import (
     shutdown_transfer_queue,
     with_deadline,
 )
+from tq_plugin.data_plane.calls import uniform_call
 from tq_plugin.data_plane.client import DataPlaneClosedError, FieldsLike
 from tq_plugin.data_plane.meta import KVBatchMeta
 from tq_plugin.data_plane.schema import INPUT_LENGTHS
@@ -243,13 +244,14 @@ class TransferQueueDataPlane:
             self._save_schema(partition_id, schema)
 
     # ------------------------------------------------------------------ writes
+    @uniform_call
     def put_samples(
         self,
-        sample_ids: Sequence[str],
+        *,
         partition_id: str,
+        sample_ids: Sequence[str],
         fields: FieldsLike | None = None,
         tags: Sequence[Mapping[str, Any]] | None = None,
-        *,
         mode: str = "upsert",
     ) -> KVBatchMeta:
         """``LocalDataPlane.put_samples`` semantics; every check runs before anything is written."""
@@ -331,8 +333,9 @@ class TransferQueueDataPlane:
             )
 
     # ------------------------------------------------------------------ reads
+    @uniform_call
     def get_samples(
-        self, sample_ids: Sequence[str], partition_id: str, select_fields: Sequence[str]
+        self, *, partition_id: str, sample_ids: Sequence[str], select_fields: Sequence[str]
     ) -> TensorDict:
         """Exactly the requested rows in request order, or ``KeyError`` (never a short read)."""
         ids = str_list(sample_ids, "get_samples", "sample_ids")
@@ -381,7 +384,8 @@ class TransferQueueDataPlane:
 
     get_data = TaskCursors.get_data
 
-    def get_tags(self, sample_ids: Sequence[str], partition_id: str) -> list[dict[str, Any]]:
+    @uniform_call
+    def get_tags(self, *, partition_id: str, sample_ids: Sequence[str]) -> list[dict[str, Any]]:
         ids = str_list(sample_ids, "get_tags", "sample_ids", unique=False)
         keys = self._keys(partition_id)
         missing = [s for s in ids if s not in keys or s == SCHEMA_KEY]
@@ -399,7 +403,8 @@ class TransferQueueDataPlane:
                       if p.startswith(prefix) and SCHEMA_KEY in keys)
 
     # ------------------------------------------------------------------ clears
-    def clear_samples(self, sample_ids: Sequence[str] | None, partition_id: str) -> None:
+    @uniform_call
+    def clear_samples(self, *, partition_id: str, sample_ids: Sequence[str] | None = None) -> None:
         """Drop rows (unknown ids are ignored). ``None`` drops the whole partition, schema too.
 
         Once a partition holds no rows its fields may change dtype or shape again.
@@ -409,9 +414,9 @@ class TransferQueueDataPlane:
             if sample_ids is None:
                 if len(keys) <= (SCHEMA_KEY in keys):
                     warnings.warn(
-                        f"clear_samples(None, {partition_id!r}) found nothing to clear",
+                        f"clear_samples(partition_id={partition_id!r}) found nothing to clear",
                         RuntimeWarning,
-                        stacklevel=2,
+                        stacklevel=3,  # the caller of uniform_call's wrapper
                     )
                 drop = list(keys)
             else:
@@ -460,7 +465,9 @@ class TransferQueueDataPlane:
         spec = self._schema(partition_id)["fields"].get(INPUT_LENGTHS)
         if spec is not None and not spec[0] and spec[2] == []:  # a dense scalar column
             try:
-                column = self.get_samples(keys, partition_id, [INPUT_LENGTHS])[INPUT_LENGTHS]
+                column = self.get_samples(
+                    partition_id=partition_id, sample_ids=keys, select_fields=[INPUT_LENGTHS]
+                )[INPUT_LENGTHS]
                 lengths = [int(x) for x in column.tolist()]
             except KeyError:  # not written for every claimed row
                 lengths = None

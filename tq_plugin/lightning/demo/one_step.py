@@ -61,7 +61,7 @@ def main(num_prompts: int = 16, group_size: int = 4, seed: int = 0) -> dict[str,
     train = read_columns(client, meta, list(DP_TRAIN_FIELDS))
     elapsed = time.perf_counter() - t0
     stats = client.stats()
-    client.clear_samples(meta.sample_ids, "train")
+    client.clear_samples(partition_id="train", sample_ids=meta.sample_ids)
     client.close()
 
     real = int(lengths.sum())

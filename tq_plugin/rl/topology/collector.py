@@ -112,7 +112,7 @@ class ChunkCollector:
             if stale:
                 log.warning("dropping %d rows an earlier run left in %r of the shared store",
                             len(stale), partition)
-                self.client.clear_samples(None, partition)
+                self.client.clear_samples(partition_id=partition, sample_ids=None)
         self.client.register_partition(
             WEIGHTS_PARTITION, [WEIGHTS, WEIGHT_VERSION],
             consumer_tasks=[weights_task(k) for k in range(self.ledger.workers)])
@@ -126,7 +126,8 @@ class ChunkCollector:
         for worker in sorted({t.worker for t in tickets}):
             mine = [t for t in tickets if t.worker == worker]
             self.writer.submit(
-                self.client.put_samples, [f"t{t.ticket}" for t in mine], tickets_partition(worker),
+                self.client.put_samples, partition_id=tickets_partition(worker),
+                sample_ids=[f"t{t.ticket}" for t in mine],
                 fields={"ticket": torch.tensor([t.ticket for t in mine]),
                         "target": torch.tensor([t.target for t in mine]),
                         "min_version": torch.tensor([t.min_version for t in mine]),
@@ -189,7 +190,8 @@ class ChunkCollector:
             self.ledger.delivered(ticket)
             slot = int(chunk.tags[0][SLOT_TAG])
             if slot < self.open_from or slot in self.received:  # its prompts are held already
-                self.writer.submit(self.client.clear_samples, chunk.sample_ids, ROLLOUTS_PARTITION)
+                self.writer.submit(self.client.clear_samples, partition_id=ROLLOUTS_PARTITION,
+                                   sample_ids=chunk.sample_ids)
                 self.rows_duplicate += chunk.size
                 continue
             self.received.add(slot)
@@ -216,10 +218,13 @@ class ChunkCollector:
         from the shared one; the meta of the trainer's copy."""
         tag = chunk.tags[0]
         fields = [*str(tag[FINALIZED_FIELDS_TAG]).split(","), TURN_REWARDS]
-        td = self.client.get_samples(chunk.sample_ids, ROLLOUTS_PARTITION, fields)
+        td = self.client.get_samples(
+            partition_id=ROLLOUTS_PARTITION, sample_ids=chunk.sample_ids, select_fields=fields
+        )
         local = first_write(dict(td.items()), sample_ids=chunk.sample_ids, client=self.local,
                             partition_id=self.train_partition, tags=chunk.tags)
-        self.writer.submit(self.client.clear_samples, chunk.sample_ids, ROLLOUTS_PARTITION)
+        self.writer.submit(self.client.clear_samples, partition_id=ROLLOUTS_PARTITION,
+                           sample_ids=chunk.sample_ids)
         return local
 
     def restart(self, step: int, next_ticket: int) -> None:
@@ -251,7 +256,8 @@ class ChunkCollector:
                 slot = int(tag[SLOT_TAG])
                 calls += int(tag[CALLS_TAG])
                 if not self.filter.admits(step, int(tag[VERSION_TAG]), chunk.size):
-                    self.writer.submit(self.client.clear_samples, chunk.sample_ids, ROLLOUTS_PARTITION)
+                    self.writer.submit(self.client.clear_samples, partition_id=ROLLOUTS_PARTITION,
+                                       sample_ids=chunk.sample_ids)
                     dropped += chunk.size
                     self.received.discard(slot)
                     self.send([self.ledger.replace(slot)])

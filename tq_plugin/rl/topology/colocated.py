@@ -285,7 +285,9 @@ class Colocated:
     def _clear(self, meta: KVBatchMeta, rows: list[int]) -> None:
         if rows:
             sub = meta.subset(rows)
-            self.module.dp_client.clear_samples(sub.sample_ids, sub.partition_id)
+            self.module.dp_client.clear_samples(
+                partition_id=sub.partition_id, sample_ids=sub.sample_ids
+            )
 
     def reward_log(self, step: int) -> dict[str, float]:
         """The task's per-reward figures of the step (a task with a reward log only) and, every

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from tq_plugin.data_plane.calls import OLD_ORDER, as_keywords, partition_of
 from tq_plugin.rl.models import fsdp as sharding
 from tq_plugin.rl.training.step_record import TURN_REWARDS
 
@@ -87,10 +88,13 @@ def put_weights(client: Any, flat: torch.Tensor, publish: int, version: int,
                 drop: Sequence[str] = ()) -> None:
     """Put a :func:`weights_snapshot` as publish ``publish`` labelled ``version``; then clear
     the ``drop`` rows (publishes too old to keep)."""
-    client.put_samples([weights_id(publish, version)], WEIGHTS_PARTITION,
-                       fields={WEIGHTS: flat, WEIGHT_VERSION: torch.tensor([version])})
+    client.put_samples(
+        partition_id=WEIGHTS_PARTITION,
+        sample_ids=[weights_id(publish, version)],
+        fields={WEIGHTS: flat, WEIGHT_VERSION: torch.tensor([version])},
+    )
     if drop:
-        client.clear_samples(list(drop), WEIGHTS_PARTITION)
+        client.clear_samples(partition_id=WEIGHTS_PARTITION, sample_ids=list(drop))
 
 
 class WeightPublisher:
@@ -170,11 +174,11 @@ class BackgroundWriter:
             self._pool.shutdown(wait=True)
 
 
-# Where each client method takes its partition: (keyword, position).
-_PARTITION_ARG = {
-    "register_partition": 0, "put_samples": 1, "get_samples": 1, "get_tags": 1,
-    "clear_samples": 1, "list_sample_ids": 0, "claim_meta": 0, "check_consumption_status": 0,
-}
+# The client methods routed by the partition they name (``calls.partition_of`` reads it).
+_ROUTED = frozenset({
+    "register_partition", "put_samples", "get_samples", "get_tags", "clear_samples",
+    "list_sample_ids", "claim_meta", "check_consumption_status",
+})
 
 
 class SplitClient:
@@ -198,12 +202,13 @@ class SplitClient:
         shared = getattr(self._shared, name)
         if name == "get_data":
             return lambda meta, *a, **kw: self._route(meta.partition_id).get_data(meta, *a, **kw)
-        if name not in _PARTITION_ARG:
+        if name not in _ROUTED:
             return shared  # attributes (supports_put_mode, ...): both stores agree
-        where = _PARTITION_ARG[name]
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            pid = kwargs["partition_id"] if "partition_id" in kwargs else args[where]
+            if args and name in OLD_ORDER:  # the deprecated order: warn here, at our caller
+                args, kwargs = (), as_keywords(name, args, kwargs, stacklevel=2)
+            pid = partition_of(name, args, kwargs)
             return getattr(self._route(pid), name)(*args, **kwargs)
 
         # accepts_put_mode reads the signature: the shared store's is the one that counts.

@@ -116,7 +116,11 @@ class _Weights:
             if newest is None or newest[0] == self.publish:
                 return self.version
             try:
-                td = self.client.get_samples([weights_id(*newest)], WEIGHTS_PARTITION, [WEIGHTS])
+                td = self.client.get_samples(
+                    partition_id=WEIGHTS_PARTITION,
+                    sample_ids=[weights_id(*newest)],
+                    select_fields=[WEIGHTS],
+                )
             except KeyError:  # replaced by a newer publish between the listing and the read
                 newest = newest_weights(self.client)
                 continue
@@ -212,11 +216,12 @@ def _serve(spec: WorkerSpec, stop: StopSignal, task: Any, weights: _Weights,
                FAILED_TAG: batch.failed_calls, "target": ticket["target"], "worker": spec.index,
                SLOT_TAG: ticket["slot"]}
         client.put_samples(
-            rows.sample_ids, ROLLOUTS_PARTITION,
+            partition_id=ROLLOUTS_PARTITION,
+            sample_ids=rows.sample_ids,
             fields={TURN_REWARDS: batch.turn_scores / task.turns,
                     WEIGHT_VERSION: torch.full((n,), version, dtype=torch.int64)},
             tags=[tag] * n)
-        client.clear_samples([ticket["id"]], partition)
+        client.clear_samples(partition_id=partition, sample_ids=[ticket["id"]])
 
 
 __all__ = ["WorkerSpec", "next_ticket", "worker_main"]
