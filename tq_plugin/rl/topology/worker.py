@@ -208,6 +208,8 @@ def _serve(spec: WorkerSpec, stop: StopSignal, task: Any, weights: _Weights,
         generator = torch.Generator().manual_seed(rc.seed * 1_000_003 + 7919 * ticket["slot"] + 1)
         if hasattr(task, "seek"):  # a dataset task: the slot's rows of the run's prompt stream
             task.seek(ticket["slot"] * ticket["prompts"])
+        if hasattr(task, "set_step"):  # the reward functions' trainer_state: the target step
+            task.set_step(ticket["target"], rc.num_steps)
         batch = side.rollout.run(weights.engine, step=ticket["ticket"], prompts=ticket["prompts"],
                             group_size=rc.group_size, generator=generator)
         rows = side.reassembler.finalize_group(batch.receipts, partition_id=ROLLOUTS_PARTITION)
