@@ -441,8 +441,10 @@ def _scatter(values: torch.Tensor | None, dst: torch.Tensor, shape: torch.Size
              ) -> torch.Tensor | None:
     if values is None:
         return None
-    out = values.new_zeros(shape[0] * shape[1])
-    return out.index_copy(0, dst, values).view(shape)
+    # A tensor of its own, not a view: an FSDP2 module's returned view loses its pre-backward
+    # hook to an in-place op (torch warns on every call).
+    out = values.new_zeros(shape[0], shape[1])
+    return out.index_put((dst // shape[1], dst % shape[1]), values)
 
 
 def shifted_token_logprobs(
