@@ -462,7 +462,7 @@ def test_two_worker_run_on_transferqueue(tmp_path, tq_session):
 @pytest.mark.timeout(180)
 def test_trainer_killed_leaves_no_worker_behind(tmp_path, ray_session):
     """SIGKILL the trainer process mid-run: Ray kills its rollout-worker actors (they are not
-    detached), so no process of the run is left behind. The trainer prints each worker's pid."""
+    detached), so no process of the run is left behind. The trainer logs each worker's pid."""
     import psutil  # a Ray dependency
 
     address = ray_session.get_runtime_context().gcs_address
@@ -474,11 +474,13 @@ def test_trainer_killed_leaves_no_worker_behind(tmp_path, ray_session):
     with open(err, "w") as err_file:
         trainer = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err_file)
     pids: list[int] = []
+    log = tmp_path / "tq-train.log"  # the run's log: the trainer logs each worker's pid there
     try:
         deadline = time.monotonic() + 120
         while len(pids) < 2 and time.monotonic() < deadline and trainer.poll() is None:
+            text = log.read_text() if log.exists() else ""
             pids = [int(p) for p in re.findall(
-                r"rollout worker \d started \(pid (\d+), RayActorHandle\)", err.read_text())]
+                r"rollout worker \d started \(pid (\d+), RayActorHandle\)", text)]
             time.sleep(0.5)
         assert len(pids) == 2, f"the trainer did not start two worker actors:\n{err.read_text()[-3000:]}"
         workers = [psutil.Process(p) for p in pids]
