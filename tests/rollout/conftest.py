@@ -63,3 +63,37 @@ def engine_case(request, tmp_path_factory):
 
 
 __all__ = ["EOS", "TASK", "make_policy"]
+
+
+# The OpenAI endpoint tests' shared fixtures: a tiny chat policy, an hf engine over it, and
+# harnesses stopped after each test.
+from tq_plugin.rollout.engines.hf import HFEngine
+
+from .openai_harness import Harness
+from .openai_policy import build_policy
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    return build_policy(tmp_path_factory.mktemp("chat_policy"))
+
+
+@pytest.fixture(scope="module")
+def hf_engine(policy):
+    engine = HFEngine(policy[1])
+    yield engine
+    engine.close()
+
+
+@pytest.fixture
+def make(policy):
+    made = []
+
+    def _make(engine, **kwargs):
+        harness = Harness(engine, policy[0], **kwargs)
+        made.append(harness)
+        return harness
+
+    yield _make
+    for harness in made:
+        harness.stop()

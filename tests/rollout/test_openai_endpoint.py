@@ -21,38 +21,11 @@ from tq_plugin.data_plane import GENERATION_LOGPROBS, INPUT_IDS, SAMPLE_MASK, TO
 from tq_plugin.rollout.engines.hf import HFEngine
 
 from .openai_harness import Harness, Recorder, Scripted
-from .openai_policy import build_policy
 
 TOOLS = [{"type": "function", "function": {
     "name": "add", "description": "Add two integers",
     "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
                                                     "b": {"type": "integer"}}}}}]
-
-
-@pytest.fixture(scope="module")
-def policy(tmp_path_factory):
-    return build_policy(tmp_path_factory.mktemp("chat_policy"))
-
-
-@pytest.fixture(scope="module")
-def hf_engine(policy):
-    engine = HFEngine(policy[1])
-    yield engine
-    engine.close()
-
-
-@pytest.fixture
-def make(policy):
-    made = []
-
-    def _make(engine, **kwargs):
-        harness = Harness(engine, policy[0], **kwargs)
-        made.append(harness)
-        return harness
-
-    yield _make
-    for harness in made:
-        harness.stop()
 
 
 def staged_equals_engine(h: Harness, rec: Recorder, response, seed: int) -> None:

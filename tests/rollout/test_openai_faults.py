@@ -17,39 +17,11 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("transformers")
 
 from tq_plugin.data_plane import SAMPLE_MASK
-from tq_plugin.rollout.engines.hf import HFEngine
 from tq_plugin.rollout.openai_server import AgentEndpoint
 
-from .openai_harness import Harness, Recorder, Scripted, SinkWrapper, is_openai_error
-from .openai_policy import build_policy
+from .openai_harness import Recorder, Scripted, SinkWrapper, is_openai_error
 
 HI = [{"role": "user", "content": "hi"}]
-
-
-@pytest.fixture(scope="module")
-def policy(tmp_path_factory):
-    return build_policy(tmp_path_factory.mktemp("chat_policy"))
-
-
-@pytest.fixture(scope="module")
-def hf_engine(policy):
-    engine = HFEngine(policy[1])
-    yield engine
-    engine.close()
-
-
-@pytest.fixture
-def make(policy):
-    made = []
-
-    def _make(engine, **kwargs):
-        harness = Harness(engine, policy[0], **kwargs)
-        made.append(harness)
-        return harness
-
-    yield _make
-    for harness in made:
-        harness.stop()
 
 
 def error_of(response, status: int, code: str | None = None, param: str | None = None) -> dict:
