@@ -13,9 +13,11 @@ Measured, in one process, contenders taking turns, repeated:
   (``_compute_loss`` on the same sequences: its fused chunked LM head), peak RSS above the
   step's start; the slope in MB per microbatch token between 1k and 4k;
 * training tokens/s of that step, ours against TRL's;
-* one GRPO step end to end (``tq-train``, ``engine=hf``, 512 new tokens): where its time goes
-  (generation, the logprob pass, training, the data plane), and one weight sync against a
-  plain copy of the same 160 MB.
+* one weight sync of ``engine=hf`` and of ``engine=vllm`` (in-process vLLM's CPU build)
+  against a plain copy of the same 160 MB;
+* one GRPO step end to end (``tq-train``, 512 new tokens), ``engine=hf`` then ``engine=vllm``:
+  where its time goes (generation and staging, the logprob pass, training, the data plane:
+  ``dp/policy/dp_time_s`` from the run's Lightning CSV log).
 
 TRL is a bench-only extra (``pip install 'tq_plugin[bench]'``); without it the TRL columns
 say so. Run alone: ``python -m benchmarks.run_all bench_real_shapes``.
@@ -220,70 +222,117 @@ def memory_table(model_dir: Path, workdir: Path, *, repeats: int = 2) -> dict[st
 
 
 # ---------------------------------------------------------------------------- weight sync
-def weight_sync(model_dir: Path, *, runs: int = 5) -> dict[str, Any]:
-    """``engine=hf``'s ``update_weights`` of the policy's 160 MB against a plain copy of the same
+SYNC_RUNS = 5
+E2E_ENGINES = ("hf", "vllm")
+
+
+def _engine(name: str, model_dir: Path) -> Any:
+    """``engine=name`` serving the checkpoint in ``model_dir`` (vLLM: the engine group's
+    defaults, a 1,024-token context)."""
+    from tq_plugin.config.schema import EngineConfig
+    from tq_plugin.rollout.engines import build_engine
+
+    return build_engine(EngineConfig(name=name), checkpoint=model_dir, max_model_len=1024)
+
+
+def weight_sync(model_dir: Path, *, engine: str = "hf", runs: int = SYNC_RUNS) -> dict[str, Any]:
+    """``engine``'s ``update_weights`` of the policy's 160 MB against a plain copy of the same
     tensors into tensors of the same shapes, taking turns."""
     import torch
 
     from benchmarks._common import Stat, interleaved
     from tq_plugin.rl.models.hf import HFCausalLM
     from tq_plugin.rl.models.weights import engine_weights
-    from tq_plugin.rollout.engines.hf import HFEngine
 
     policy = HFCausalLM(48, pretrained_path=str(model_dir))
-    engine = HFEngine(model_dir)
-    named = list(engine_weights(policy, "hf"))
+    served = _engine(engine, model_dir)
+    named = list(engine_weights(policy, engine))
     targets = [torch.empty_like(t) for _, t in named]
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     version = iter(range(1, 10_000))
 
     def sync() -> None:
-        engine.update_weights(engine_weights(policy, "hf"), version=next(version))
+        served.update_weights(engine_weights(policy, engine), version=next(version))
 
     def copy() -> None:
         with torch.no_grad():
             for dst, (_, src) in zip(targets, named, strict=True):
                 dst.copy_(src)
 
-    times = interleaved({"sync": sync, "copy": copy}, runs=runs)
-    engine.close()
-    return {"mb": nbytes / 1e6, "sync": Stat.of(times["sync"]), "copy": Stat.of(times["copy"])}
+    try:
+        times = interleaved({"sync": sync, "copy": copy}, runs=runs)
+    finally:
+        served.close()
+    return {"engine": engine, "mb": nbytes / 1e6, "sync": Stat.of(times["sync"]),
+            "copy": Stat.of(times["copy"]),
+            "ratio": Stat.of([a / b for a, b in zip(times["sync"], times["copy"])])}
 
 
 # ---------------------------------------------------------------------------- one step end to end
-def end_to_end(data: Path, *, new_tokens: int = 512) -> dict[str, Any]:
-    """One GRPO step through ``tq-train`` (``engine=hf``, ``new_tokens`` per completion, 2
+def _dp_time_s(logs: Path) -> float | None:
+    """The trainer's data-plane seconds over the run (``dp/<role>/dp_time_s`` that Lightning's
+    CSV logger wrote: every call through the run's metered client, staging included)."""
+    import csv
+
+    total = None
+    for path in sorted(logs.glob("lightning_logs/**/metrics.csv")):
+        with open(path) as f:
+            for row in csv.DictReader(f):
+                for key, value in row.items():
+                    if key.startswith("dp/") and key.endswith("/dp_time_s") and value:
+                        total = (total or 0.0) + float(value)
+    return total
+
+
+def end_to_end(data: Path, *, engine: str = "hf", new_tokens: int = 512) -> dict[str, Any]:
+    """One GRPO step through ``tq-train`` (``engine``, ``new_tokens`` per completion, 2
     prompts x 2; run from the repository root, which holds the reward): its metrics.csv row
-    (where the time goes) and result.json."""
-    from benchmarks._common import tq_train
+    (where the time goes), result.json and the data plane's seconds."""
+    import contextlib
+    import tempfile
+    from unittest import mock
+
+    from benchmarks import _common
 
     overrides = ["--config-name", "grpo", "task=prompts", f"task.path={data / 'train.jsonl'}",
                  "task.reward._target_=benchmarks.bench_real_shapes.varied_reward",
-                 "model=hf_causal_lm", f"model.pretrained_path={data / 'model'}", "engine=hf",
-                 f"recipe.max_new_tokens={new_tokens}", "recipe.prompts_per_step=2",
-                 "recipe.group_size=2", "recipe.ppo_epochs=1", "recipe.num_steps=1"]
-    run = tq_train(overrides)
-    return {"row": run.rows[0], "result": run.result,
-            "command": "tq-train " + " ".join(overrides)}
+                 "model=hf_causal_lm", f"model.pretrained_path={data / 'model'}",
+                 f"engine={engine}", f"recipe.max_new_tokens={new_tokens}",
+                 "recipe.prompts_per_step=2", "recipe.group_size=2", "recipe.ppo_epochs=1",
+                 "recipe.num_steps=1"]
+    with tempfile.TemporaryDirectory(prefix="tq-bench-run-") as kept:
+        # tq_train's run dir is a temporary directory it removes; keep this one (the recipe
+        # pins the CSV logger under it) until its Lightning log is read.
+        with mock.patch.object(_common.tempfile, "TemporaryDirectory",
+                               lambda **_: contextlib.nullcontext(kept)):
+            run = _common.tq_train(overrides)
+        dp_s = _dp_time_s(Path(kept))
+    return {"engine": engine, "row": run.rows[0], "result": run.result, "dp_s": dp_s,
+            "wall_s": run.wall_s, "command": "tq-train " + " ".join(overrides)}
 
 
 # ---------------------------------------------------------------------------- the section
 def main(out: str | Path = "benchmarks/out/real_shapes") -> dict[str, Any]:
+    import os
     import tempfile
 
     import torch
 
     torch.set_num_threads(2)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(".pytest_cache") / "inductor"))
+    load = os.getloadavg()[0]
     out = Path(out)
     model_dir = make_model(out)
     with tempfile.TemporaryDirectory() as tmp:
         mem = memory_table(model_dir, Path(tmp))
-    sync = weight_sync(model_dir)
-    e2e = end_to_end(out)
-    return {"markdown": markdown(mem, sync, e2e), "memory": mem, "sync": sync, "e2e": e2e}
+    syncs = [weight_sync(model_dir, engine=name) for name in E2E_ENGINES]
+    e2e = [end_to_end(out, engine=name) for name in E2E_ENGINES]
+    return {"markdown": markdown(mem, syncs, e2e, load=load), "memory": mem, "sync": syncs,
+            "e2e": e2e}
 
 
-def markdown(mem: dict[str, Any], sync: dict[str, Any], e2e: dict[str, Any]) -> str:
+def markdown(mem: dict[str, Any], syncs: list[dict[str, Any]], e2e: list[dict[str, Any]], *,
+             load: float) -> str:
     ours, trl = mem["mb"]["ours"], mem["mb"]["trl"]
     lines = [
         "## Real model shapes: a Qwen2-shaped model at a 151,936-id vocabulary",
@@ -312,21 +361,37 @@ def markdown(mem: dict[str, Any], sync: dict[str, Any], e2e: dict[str, Any]) -> 
                       f"{slope / _slope(trl):.2f}).")
     else:
         lines[-1] += f"; TRL not measured ({mem['trl_missing']}: `pip install 'tq_plugin[bench]'`)."
-    row, res = e2e["row"], e2e["result"]
+    lines += ["", f"One weight sync ({syncs[0]['mb']:.0f} MB of float32) against a plain copy of "
+              f"the same tensors into tensors of the same shapes, {SYNC_RUNS} runs, taking turns "
+              "(median (min–max)):", "",
+              "| engine | sync s | plain copy s | sync / copy |", "|---|---|---|---|"]
+    for sync in syncs:
+        lines.append(f"| {sync['engine']} | {sync['sync'].fmt('.3f')} | "
+                     f"{sync['copy'].fmt('.3f')} | {sync['ratio'].fmt('.1f', 'x')} |")
     lines += [
         "",
-        f"One weight sync of `engine=hf` ({sync['mb']:.0f} MB): {sync['sync'].fmt('.3f', ' s')} "
-        f"against a plain copy of the same tensors {sync['copy'].fmt('.3f', ' s')} "
-        f"({sync['sync'].median / sync['copy'].median:.1f}x), 5 runs, taking turns.",
+        f"One GRPO step end to end, 512 new tokens, 2 prompts x 2, each engine's default "
+        f"options (`vllm`: in-process, float32, eager, 64 MiB KV cache, 1 thread; `hf`: the "
+        f"process's threads), one after the other (load average {load:.1f} on 2 cores when the "
+        f"bench started): `{e2e[0]['command']}` (and `engine=vllm`). *generation and staging*: "
+        "`rollout_s`; *logprob pass*: `prepare_s` (the policy's no-grad logprobs, rewards and "
+        "advantages written back); *training*: `train_s`; *data plane*: the trainer's metered "
+        "client over the step (`dp/policy/dp_time_s`: every store call, the staging puts and "
+        "reads included, so it overlaps the other columns); wall: the whole `tq-train` "
+        "process, imports and start-up included.",
         "",
-        f"One GRPO step end to end, `engine=hf`, 512 new tokens, 2 prompts x 2 "
-        f"(`{e2e['command']}`): generation and staging {float(row['rollout_s']):.1f} s, "
-        f"the logprob pass and advantages {float(row['prepare_s']):.1f} s, training "
-        f"{float(row['train_s']):.1f} s ({float(row['tokens_per_s']):.1f} tokens/s), "
-        f"{int(float(row['dp_bytes'])) / 1e6:.2f} MB through the data plane; peak RSS "
-        f"{res['peak_rss_mb']:,.0f} MB, wall {res['wall_s']:.0f} s. engine=vllm at this "
-        "vocabulary was not measured here.",
+        "| engine | generation and staging s | logprob pass s | training s (tokens/s) | "
+        "data plane s (MB) | peak RSS MB | wall s |",
+        "|---|---|---|---|---|---|---|",
     ]
+    for run in e2e:
+        row, res = run["row"], run["result"]
+        dp = "–" if run["dp_s"] is None else f"{run['dp_s']:.2f}"
+        lines.append(
+            f"| {run['engine']} | {float(row['rollout_s']):.1f} | {float(row['prepare_s']):.1f} | "
+            f"{float(row['train_s']):.1f} ({float(row['tokens_per_s']):.1f}) | "
+            f"{dp} ({int(float(row['dp_bytes'])) / 1e6:.2f}) | {res['peak_rss_mb']:,.0f} | "
+            f"{run['wall_s']:.0f} |")
     return "\n".join(lines)
 
 
