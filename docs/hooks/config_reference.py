@@ -94,8 +94,7 @@ KEY_DOCS: dict[str, str] = {
                         "built with the sizes above",
     "model.pretrained_path": "a local save_pretrained directory to load instead (weights, sizes "
                              "and, for task=prompts, the tokenizer); nothing is downloaded",
-    "model.attn_implementation": "attention kernel: sdpa or eager (both honour the packed "
-                                 "layout's block-diagonal mask)",
+    "model.attn_implementation": "attention kernel: sdpa or eager",
     # engine
     "engine.name": "the engine: native, hf or vllm",
     "engine.enforce_eager": "vllm: run eagerly, without CUDA graphs or torch.compile",

@@ -34,7 +34,7 @@ MICROBATCH_ORDERS = ("packer", "largest_first")
 LAYOUTS = ("padded", "packed")
 PACKING_MODES = ("none", "sequence_packing", "dynamic_batching")
 PIXEL_DTYPES = ("float32", "float16", "bfloat16")
-# Attention kernels tq_plugin.rl.models.hf feeds a block-diagonal mask (packed rows) on CPU.
+# Attention kernels tq_plugin.rl.models.hf runs on CPU (packed rows as a padded block).
 HF_ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 

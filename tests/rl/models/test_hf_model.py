@@ -20,7 +20,7 @@ from hydra.utils import instantiate
 from safetensors import safe_open
 
 from tq_plugin.lightning.layout import PackedIndex
-from tq_plugin.rl.models.hf import HFCausalLM, block_causal_mask
+from tq_plugin.rl.models.hf import HFCausalLM, packed_slots
 from tq_plugin.rl.models.protocol import check_models
 from tq_plugin.rl.models.weights import POLICY_WEIGHTS, VALUE_WEIGHTS, load_weights
 
@@ -74,12 +74,12 @@ def test_the_block_mask_alone_keeps_sequences_apart():
     torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-4)
 
 
-def test_block_causal_mask():
-    mask = block_causal_mask(torch.tensor([[0, 0, 1, 1, 1]]), torch.float32)
-    allowed = (mask[0, 0] == 0).int().tolist()
-    assert allowed == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0],
-                       [0, 0, 1, 1, 1]]
-    assert mask.min() == torch.finfo(torch.float32).min
+def test_packed_slots_place_each_sequence_on_its_own_row():
+    """Token t of a packed row goes to (its sequence's row, its offset) of the padded block,
+    whatever the segment ids are called."""
+    slot, segments, longest = packed_slots(torch.tensor([[5, 5, 2, 2, 2, 9]]))
+    assert (segments, longest) == (3, 3)
+    assert slot.tolist() == [0, 1, 3, 4, 5, 6]
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gpt2"])

@@ -6,10 +6,11 @@ config (``model_type``, random init, nothing downloaded) or from a local ``pretr
 weights are refused).
 
 Layouts (:mod:`tq_plugin.rl.models.protocol`): a padded batch goes in as is (right padding after
-causal tokens needs no mask). A packed row passes ``position_ids`` restarting per sequence, as
-transformers' packed-sequence support expects, and a 4-D block-diagonal causal mask built from
-``segment_ids`` (or ``cu_seqlens``): with ``sdpa`` or ``eager`` attention a plain causal mask
-would let a sequence attend to the ones packed before it.
+causal tokens needs no mask). A packed row (``segment_ids`` or ``cu_seqlens``) runs the backbone
+as its sequences side by side, one per row of a right-padded ``[segments, longest]`` block with
+the row's ``position_ids``, and its outputs are gathered back into the row: each sequence sees
+only itself (what a block-diagonal causal mask gives) at the cost of its own length, not the
+``T x T`` of one masked attention over the row (2x the training step at toy shapes on CPU).
 
 The value model is the same backbone class without its LM head plus a linear head giving one
 value per token, so ``pretrained_path`` initializes both from the same checkpoint.
@@ -131,15 +132,29 @@ def resolve_sizes(pretrained_path: str | Path | None, **given: int | None) -> di
     return out
 
 
-def block_causal_mask(segment_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive ``[1, 1, T, T]`` mask of a packed ``[1, T]`` row: token ``i`` sees token ``j``
-    iff both lie in the same segment and ``j <= i`` (segments are contiguous)."""
-    seg = segment_ids[0]
-    t = seg.shape[0]
-    idx = torch.arange(t, device=seg.device)
-    allowed = (seg.unsqueeze(1) == seg.unsqueeze(0)) & (idx.unsqueeze(1) >= idx.unsqueeze(0))
-    mask = torch.zeros(t, t, dtype=dtype, device=seg.device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min).view(1, 1, t, t)
+def packed_slots(segment_ids: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """``(slot [T], segments, longest)`` of a packed ``[1, T]`` row: token ``t`` of the row is
+    slot ``t`` of the flattened right-padded ``[segments, longest]`` block (its sequence's
+    row, its offset in the sequence). A sequence is a run of equal ``segment_ids``."""
+    _, counts = torch.unique_consecutive(segment_ids[0], return_counts=True)
+    starts = torch.cumsum(counts, 0) - counts
+    run = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
+    longest = int(counts.max())
+    offset = torch.arange(segment_ids.shape[1], device=counts.device) - starts[run]
+    return run * longest + offset, counts.numel(), longest
+
+
+def _block(row: torch.Tensor, slot: torch.Tensor, segments: int, longest: int) -> torch.Tensor:
+    """A packed row's ``[1, T, ...]`` tensor as the ``[segments, longest, ...]`` block (0 in
+    the padding)."""
+    block = row.new_zeros((segments * longest, *row.shape[2:]))
+    block[slot] = row[0]
+    return block.view(segments, longest, *row.shape[2:])
+
+
+def _unblock(block: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """The block's ``[segments, longest, ...]`` outputs back in the row's ``[1, T, ...]``."""
+    return block.reshape(-1, *block.shape[2:])[slot].unsqueeze(0)
 
 
 class HFCausalLM(nn.Module):
@@ -239,22 +254,26 @@ class HFCausalLM(nn.Module):
             counts = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
             segment_ids = torch.repeat_interleave(
                 torch.arange(counts.shape[0], device=input_ids.device), counts).unsqueeze(0)
+        unpack = None
         if segment_ids is not None:
             if input_ids.shape[0] != 1 or position_ids is None:
                 raise ValueError(f"a packed batch is one row [1, T] with position_ids, got "
                                  f"input_ids {tuple(input_ids.shape)}")
-            kwargs["position_ids"] = position_ids
-            kwargs["attention_mask"] = block_causal_mask(segment_ids, self.backbone.dtype)
+            unpack = packed_slots(segment_ids)
+            kwargs = {k: _block(v, *unpack) if torch.is_tensor(v) else v
+                      for k, v in (kwargs | {"position_ids": position_ids}).items()}
         elif position_ids is not None:
             kwargs["position_ids"] = position_ids
         if score is not None:
-            return self._score(kwargs, input_ids, score)
+            return self._score(kwargs, input_ids, score, unpack)
         out = self.backbone(**kwargs)
         if self.head is not None:
+            values = self.head(out.last_hidden_state).squeeze(-1)
             # A new tensor, not a view of the head's output: an FSDP2 root module's returned
             # view loses its pre-backward hook to an in-place op (torch warns on every call).
-            return self.head(out.last_hidden_state).squeeze(-1).clone()
-        return out.logits + self.out_bias
+            return values.clone() if unpack is None else _unblock(values, unpack[0])
+        logits = out.logits if unpack is None else _unblock(out.logits, unpack[0])
+        return logits + self.out_bias
 
 
     def _projection(self) -> nn.Module | None:
@@ -266,17 +285,23 @@ class HFCausalLM(nn.Module):
             return None
         return self.backbone.get_output_embeddings()
 
-    def _score(self, kwargs: dict[str, Any], input_ids: torch.Tensor, score: TokenScoring
+    def _score(self, kwargs: dict[str, Any], input_ids: torch.Tensor, score: TokenScoring,
+               unpack: tuple[torch.Tensor, int, int] | None
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.head is not None:
             raise ValueError("score= is for the policy: the value model returns values")
+
+        def row(t: torch.Tensor) -> torch.Tensor:
+            return t if unpack is None else _unblock(t, unpack[0])
+
         head = self._projection()
         if head is None:
-            return score.from_logits(self.backbone(**kwargs).logits + self.out_bias, input_ids)
-        hidden = self.backbone.base_model(**kwargs).last_hidden_state
+            return score.from_logits(row(self.backbone(**kwargs).logits) + self.out_bias,
+                                     input_ids)
+        hidden = row(self.backbone.base_model(**kwargs).last_hidden_state)
         bias = self.out_bias if head.bias is None else head.bias + self.out_bias
         return score.from_hidden(hidden, input_ids, head.weight, bias)
 
 
-__all__ = ["ATTN_IMPLEMENTATIONS", "DEFAULT_SIZES", "HFCausalLM", "block_causal_mask",
-           "checkpoint_config", "checkpoint_sizes", "resolve_sizes"]
+__all__ = ["ATTN_IMPLEMENTATIONS", "DEFAULT_SIZES", "HFCausalLM", "checkpoint_config",
+           "checkpoint_sizes", "packed_slots", "resolve_sizes"]
