@@ -2,10 +2,12 @@
 
 The engine loads its own copy of the policy from an HF checkpoint directory (``config.json`` +
 safetensors, written by ``save_pretrained``; nothing is downloaded) and decodes every batch in
-one prefill plus one cached forward per new token. Prompts are left-padded with an attention
-mask and positions counted from each row's first real token, so a row computes what it would
-alone. Sampling shares the native engine's draws (``tq_plugin.rollout.engine``): on the same
-weights, prompts and seeds both engines return the same tokens.
+one prefill (the last position's logits only) plus one cached forward per new token
+(:func:`cached_decode`, which ``engine=native`` uses too for a policy wrapping a transformers
+model). Prompts are left-padded with an attention mask and positions counted from each row's
+first real token, so a row computes what it would alone. Sampling shares the native engine's
+draws (``tq_plugin.rollout.engine``): on the same weights, prompts and seeds both engines return
+the same tokens.
 """
 
 from __future__ import annotations
@@ -47,47 +49,41 @@ def load_checkpoint_model(path: str | Path, dtype: str) -> torch.nn.Module:
     return model.eval()
 
 
-class HFEngine:
-    """:class:`~tq_plugin.rollout.engine.RolloutEngine` over a transformers causal LM."""
-
-    name = "hf"
-
-    def __init__(self, checkpoint: str | Path, *, dtype: str = "float32",
-                 weight_version: int = 0) -> None:
-        self.model: torch.nn.Module | None = load_checkpoint_model(checkpoint, dtype)
-        self.weight_version = weight_version
-
-    @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
-                 seeds: Sequence[int], image_patches: torch.Tensor | None = None
-                 ) -> list[Completion]:
-        model = self.model
-        if model is None:
-            raise RuntimeError("engine=hf: generate after close")
-        if image_patches is not None:
-            raise EngineError("engine=hf reads no pixels: use engine=native with tq/staging=media")
-        device = next(model.parameters()).device
-        b, steps = len(prompts), params.max_new_tokens
-        width = max(len(p) for p in prompts)
-        ids = torch.zeros(b, width, dtype=torch.long)
-        mask = torch.zeros(b, width, dtype=torch.long)
-        for i, p in enumerate(prompts):  # left padding: every row's next token is at the end
-            ids[i, width - len(p):] = torch.tensor(list(p))
-            mask[i, width - len(p):] = 1
-        ids, mask = ids.to(device), mask.to(device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        u = draw_uniforms(seeds, steps)
-        stop = torch.tensor(list(params.stop_token_ids) or [-1])
-        out_tok = torch.zeros(b, steps, dtype=torch.long)
-        out_lp = torch.zeros(b, steps)
-        active = torch.ones(b, dtype=torch.bool)
-        n_new = torch.zeros(b, dtype=torch.long)
-        allowed, cache = None, None
+@torch.no_grad()
+def cached_decode(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
+                  params: SamplingParams, *, seeds: Sequence[int],
+                  bias: torch.Tensor | None = None) -> list[Completion]:
+    """Sample up to ``params.max_new_tokens`` per prompt with the transformers causal LM
+    ``model``: one prefill of the left-padded prompts (the last position's logits only,
+    ``logits_to_keep=1``), then one cached forward per new token (module docstring).
+    ``bias``: added to every step's logits (a policy's output restriction)."""
+    device = next(model.parameters()).device
+    b, steps = len(prompts), params.max_new_tokens
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(b, width, dtype=torch.long)
+    mask = torch.zeros(b, width, dtype=torch.long)
+    for i, p in enumerate(prompts):  # left padding: every row's next token is at the end
+        ids[i, width - len(p):] = torch.tensor(list(p))
+        mask[i, width - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    u = draw_uniforms(seeds, steps)
+    stop = torch.tensor(list(params.stop_token_ids) or [-1])
+    out_tok = torch.zeros(b, steps, dtype=torch.long)
+    out_lp = torch.zeros(b, steps)
+    active = torch.ones(b, dtype=torch.bool)
+    n_new = torch.zeros(b, dtype=torch.long)
+    allowed, cache = None, None
+    was_training = model.training
+    model.eval()
+    try:
         for step in range(steps):
             out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                        past_key_values=cache, use_cache=True)
+                        past_key_values=cache, use_cache=True, logits_to_keep=1)
             cache = out.past_key_values
             last = out.logits[:, -1].float()
+            if bias is not None:
+                last = last + bias.to(last.device)
             if allowed is None:
                 allowed = allowed_mask(last.shape[-1], params.allowed_token_ids)
             tok, lp = sample_from(restrict(last, allowed), params.temperature, u[:, step])
@@ -100,9 +96,31 @@ class HFEngine:
             ids = tok.unsqueeze(1).to(device)
             positions = positions[:, -1:] + 1
             mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=device)], dim=1)
-        counts = n_new.tolist()
-        return [Completion(out_tok[i, : counts[i]].tolist(), out_lp[i, : counts[i]].tolist())
-                for i in range(b)]
+    finally:
+        model.train(was_training)
+    counts = n_new.tolist()
+    return [Completion(out_tok[i, : counts[i]].tolist(), out_lp[i, : counts[i]].tolist())
+            for i in range(b)]
+
+
+class HFEngine:
+    """:class:`~tq_plugin.rollout.engine.RolloutEngine` over a transformers causal LM."""
+
+    name = "hf"
+
+    def __init__(self, checkpoint: str | Path, *, dtype: str = "float32",
+                 weight_version: int = 0) -> None:
+        self.model: torch.nn.Module | None = load_checkpoint_model(checkpoint, dtype)
+        self.weight_version = weight_version
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                 seeds: Sequence[int], image_patches: torch.Tensor | None = None
+                 ) -> list[Completion]:
+        if self.model is None:
+            raise RuntimeError("engine=hf: generate after close")
+        if image_patches is not None:
+            raise EngineError("engine=hf reads no pixels: use engine=native with tq/staging=media")
+        return cached_decode(self.model, prompts, params, seeds=seeds)
 
     def update_weights(self, weights: NamedWeights, *, version: int) -> None:
         """Copy ``weights`` (the checkpoint's parameter names) in place."""
@@ -113,4 +131,4 @@ class HFEngine:
         self.model = None
 
 
-__all__ = ["DTYPES", "HFEngine", "load_checkpoint_model"]
+__all__ = ["DTYPES", "HFEngine", "cached_decode", "load_checkpoint_model"]

@@ -1,7 +1,10 @@
-"""``engine=native``: the recipes' own sampler over any token model, no cache.
+"""``engine=native``: the recipes' own sampler over any token model.
 
 All rows advance together on one right-padded buffer, one full forward per new token; causal
-attention makes the padding after each row's current end invisible to it. It serves any module
+attention makes the padding after each row's current end invisible to it. A policy that wraps a
+transformers causal LM (its ``backbone``, as ``model=hf_causal_lm``'s does) is decoded with
+that model's KV cache instead (:func:`~tq_plugin.rollout.engines.hf.cached_decode`, with the
+policy's output bias), unless it reads pixels or its weights are sharded. It serves any module
 with the forward ``tq_plugin.rl.models.protocol.TokenModel`` documents (``input_ids [B, S]``,
 optionally ``image_patches``; logits ``[B, S, V]`` for the next token after each position), so
 it is the one engine that reads staged pixels. Colocated, it holds the trainer's own policy:
@@ -25,6 +28,7 @@ from tq_plugin.rollout.engine import (
     restrict,
     sample_from,
 )
+from tq_plugin.rollout.engines.hf import cached_decode
 
 # Pads the token buffer; never read (causal attention, right padding).
 _PAD = 0
@@ -37,6 +41,19 @@ def device_of(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def cached_lm(model: nn.Module) -> nn.Module | None:
+    """The transformers causal LM ``model`` wraps (``model.backbone``, one that generates), else
+    ``None``; ``None`` too when the weights are sharded (DTensors: the wrapper's own forward
+    gathers them)."""
+    backbone = getattr(model, "backbone", None)
+    can_generate = getattr(backbone, "can_generate", None)
+    if backbone is None or can_generate is None or not can_generate():
+        return None
+    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        return None
+    return backbone
+
+
 @torch.no_grad()
 def decode(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
            seeds: Sequence[int], image_patches: torch.Tensor | None = None) -> list[Completion]:
@@ -46,6 +63,10 @@ def decode(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingP
     to the host (one ``[rows, vocab]`` copy per token), where it is drawn at the request's
     uniforms (:func:`~tq_plugin.rollout.engine.draw_uniforms`).
     """
+    lm = cached_lm(model)
+    if lm is not None and image_patches is None:
+        return cached_decode(lm, prompts, params, seeds=seeds,
+                             bias=getattr(model, "out_bias", None))
     device = device_of(model)
     b, steps = len(prompts), params.max_new_tokens
     lens = torch.tensor([len(p) for p in prompts])
@@ -115,4 +136,4 @@ class NativeEngine:
         self.model = None
 
 
-__all__ = ["NativeEngine", "decode", "device_of"]
+__all__ = ["NativeEngine", "cached_lm", "decode", "device_of"]
