@@ -268,3 +268,51 @@ def test_jagged_columns_are_read_without_the_dispatched_values_call(
             return torch.arange(3)
 
     assert _jagged_values(Other()).tolist() == [0, 1, 2]  # type: ignore[arg-type]
+
+
+def test_a_batch_is_checked_once_and_its_snapshots_need_no_second_validation(
+    staged, text_source, monkeypatch
+) -> None:
+    """The batch's token columns are checked and encoded once; each row then costs one hash
+    over its slices, and a row whose slices hash to its digest is built without validating
+    it again (that hash held every field to the model's rules). What comes back is what full
+    validation builds."""
+    keys = [r.staging_key for r in staged]
+    validated = [
+        StagedCallBaseSnapshot.model_validate(r.model_dump(exclude={"extras"})) for r in staged
+    ]
+
+    def revalidated(*args, **kwargs):
+        raise AssertionError("a checked row was validated again")
+
+    monkeypatch.setattr(StagedCallBaseSnapshot, "model_validate", revalidated)
+    snapshots = text_source.fetch(keys)
+    assert [s.model_dump() for s in snapshots] == [v.model_dump() for v in validated]
+    assert [s.model_fields_set for s in snapshots] == [v.model_fields_set for v in validated]
+    assert all(type(s) is StagedCallBaseSnapshot for s in snapshots)
+
+
+@pytest.mark.parametrize(
+    ("field", "row", "error"),
+    [
+        ("token_mask_delta", torch.tensor([[0.0, 0.5, 1.0]]), "only 0.0 or 1.0"),
+        ("generation_logprobs_delta", torch.tensor([[0.0, -1.0, float("nan")]]), "finite"),
+        ("generation_logprobs_delta", torch.tensor([[-1.0, -0.125, -0.25]]), "prompt-carry"),
+        ("token_ids_delta", torch.tensor([[4, 5, -6]]), "must be non-negative"),
+        ("token_mask_delta", torch.tensor([[0.0, 1.0]]), "equal lengths"),
+    ],
+)
+def test_one_bad_row_fails_the_batch_with_its_own_error(
+    staged, text_source, client, field, row, error
+) -> None:
+    """A value rule broken in one row of a batch (or rows of unequal lengths) sends the batch
+    row by row, so the bad row raises exactly the error it raises alone."""
+    client.inner.put_samples(partition_id=TEXT_PARTITION, sample_ids=["r/c1"], fields={field: row})
+    with pytest.raises(ValueError, match=error):
+        text_source.fetch([r.staging_key for r in staged])
+    with pytest.raises(ValueError, match=error):
+        text_source.fetch(["r/c1"])
+    assert [s.digest for s in text_source.fetch(["r/c0", "r/c2"])] == [
+        staged[0].digest,
+        staged[2].digest,
+    ]

@@ -31,6 +31,7 @@ from tq_plugin.staging.encoding import (  # the column encodings the digest hash
     _I64_MAX,
     _I64_MIN,
     _U64,
+    _all_float32,
     _as_numpy,
     _check_mask_and_carry,
     _float_pair,
@@ -252,27 +253,39 @@ def staging_digest_and_columns(
             f"{count}, token_mask_delta {len(mask)}, generation_log_probs_delta {len(logprobs)})"
         )
     _check_mask_and_carry(mask, logprobs)
+    inputs = locals()  # the keyword arguments (a dict copy): the other digest inputs by name
+    digest = _call_digest(inputs, (count, ids_raw, mask_raw, logprob_raw))
+    return digest, ids_raw, mask_raw, logprob_raw
+
+
+def _call_digest(fields: Mapping[str, Any], columns: tuple[int, bytes, bytes, bytes]) -> str:
+    """The call digest over its three columns' checked bytes ``(count, ids, mask, logprobs)``:
+    the cum_len rule and the digest fields' form are checked here, then one join, one hash."""
+    count, ids_raw, mask_raw, logprob_raw = columns
+    get = fields.get
+    prev_len, delta_len, cum_len = get("prev_len"), get("delta_len"), get("cum_len")
     if type(prev_len) is int and type(cum_len) is int and cum_len != prev_len + delta_len:
         raise ValueError(
             f"cum_len {cum_len} does not equal prev_len + delta_len ({prev_len + delta_len})"
         )
-    extras_raw = digest_to_bytes(extras_digest, "extras_digest")
-    chain_raw = digest_to_bytes(chain_hash, "chain_hash")
-    cumulative_raw = digest_to_bytes(cumulative_hash, "cumulative_hash")
+    extras_raw = digest_to_bytes(fields.get("extras_digest"), "extras_digest")
+    chain_raw = digest_to_bytes(fields.get("chain_hash"), "chain_hash")
+    cumulative_raw = digest_to_bytes(fields.get("cumulative_hash"), "cumulative_hash")
     # Each column is framed as U64(len(TOKENS/F32S)) + U64(count) + its bytes; one join, one
     # hash, no intermediate copies of the columns.
     payload = b"".join(
         (
             CALL_DOMAIN,
-            bytes((schema_version, digest_version, extras_digest_version)),
-            _text(rollout_id, "rollout_id"),
-            _text(model_call_id, "model_call_id"),
-            _opt_text(parent_call_id, "parent_call_id"),
-            _text(mode, "mode"),
+            bytes((fields.get("schema_version"), fields.get("digest_version"),
+                   fields.get("extras_digest_version"))),
+            _text(fields.get("rollout_id"), "rollout_id"),
+            _text(fields.get("model_call_id"), "model_call_id"),
+            _opt_text(fields.get("parent_call_id"), "parent_call_id"),
+            _text(fields.get("mode"), "mode"),
             _u64(prev_len, "prev_len"),
             _u64(delta_len, "delta_len"),
             _u64(cum_len, "cum_len"),
-            _u64(weight_version, "weight_version"),
+            _u64(fields.get("weight_version"), "weight_version"),
             _FRAME.pack(_U64.size + len(ids_raw), count),
             ids_raw,
             _FRAME.pack(_U64.size + len(mask_raw), count),
@@ -286,7 +299,63 @@ def staging_digest_and_columns(
             cumulative_raw,
         )
     )
-    return hashlib.sha256(payload).hexdigest(), ids_raw, mask_raw, logprob_raw
+    return hashlib.sha256(payload).hexdigest()
+
+
+def checked_column_bytes(
+    token_ids: np.ndarray, token_mask: np.ndarray, log_probs: np.ndarray
+) -> tuple[bytes, bytes, bytes] | None:
+    """Big-endian bytes (u64 ids, float32 mask and logprobs) of whole columns of many calls,
+    row-aligned (the caller checks that each row has one length in all three), once every value
+    passes the value rules of a call's digest: ids non-negative, floats finite and
+    float32-representable, masks 0.0 / 1.0 with logprob 0.0 at every carry (mask 0.0) position.
+
+    None when any value breaks a rule (or a column is not a 1-D integer / float array): the
+    caller then hashes row by row with ``staging_digest_and_columns``, which names the culprit.
+    Row i's digest is ``digest_of_checked_row`` over its slices.
+    """
+    for column, kinds in ((token_ids, "iu"), (token_mask, "f"), (log_probs, "f")):
+        if type(column) is not np.ndarray or column.ndim != 1 or column.dtype.kind not in kinds:
+            return None
+    if token_ids.size and token_ids.dtype.kind == "i" and token_ids.min() < 0:
+        return None
+    if not (_all_float32(token_mask) and _all_float32(log_probs)):
+        return None
+    carry = token_mask == 0.0
+    zeros = np.count_nonzero(carry)
+    if zeros + np.count_nonzero(token_mask == 1.0) != token_mask.size:
+        return None
+    if zeros and log_probs[carry].any():  # -0.0 is falsy: either sign passes, as row by row
+        return None
+    return (
+        token_ids.astype(">u8", copy=False).tobytes(),
+        token_mask.astype(">f4").tobytes(),
+        log_probs.astype(">f4").tobytes(),
+    )
+
+
+def digest_of_checked_row(
+    fields: Mapping[str, Any], count: int, ids_raw: bytes, mask_raw: bytes, logprob_raw: bytes
+) -> str:
+    """``compute_staging_digest`` of a call whose ``count`` tokens' column bytes
+    ``checked_column_bytes`` checked and encoded; ``fields`` are its other digest inputs, held to
+    ``staging_digest_and_columns``' rules (a ``TypeError`` or ``ValueError`` when one breaks
+    them: hash the row with that function to have the culprit named)."""
+    get = fields.get
+    _check_identity(
+        schema_version=get("schema_version"),
+        digest_version=get("digest_version"),
+        extras_digest_version=get("extras_digest_version"),
+        rollout_id=get("rollout_id"),
+        model_call_id=get("model_call_id"),
+        parent_call_id=get("parent_call_id"),
+        mode=get("mode"),
+        prev_len=get("prev_len"),
+    )
+    delta_len = get("delta_len")
+    if type(delta_len) is not int or delta_len < 1 or delta_len != count:
+        raise ValueError(f"delta_len {delta_len!r} does not match {count} token IDs")
+    return _call_digest(fields, (count, ids_raw, mask_raw, logprob_raw))
 
 
 def compute_staging_digest(**fields: Any) -> str:

@@ -240,6 +240,27 @@ def validated_snapshot(
     return cls.model_validate({**fields, **lists}, context=context)
 
 
+def checked_snapshot(
+    cls: type[Any], fields: dict[str, Any], lists: dict[str, list[Any]], digest: str
+) -> Any | None:
+    """A snapshot of ``cls`` from ``fields`` plus its three token ``lists``, given ``digest``:
+    the digest just recomputed (``digest_of_checked_row``) over the very arrays the lists were
+    made from (``tolist()``); None unless it equals the row's own digest and ``cls`` is ours.
+
+    That hash held every field to the rules validation checks (exact types, the version
+    literals, non-empty ids, non-negative lengths, lineage and mode, lowercase hex digests,
+    finite floats, non-negative ids), so our own class is built without validating it again
+    (``model_construct``); a subclass validates with the digest handed in (its own rules run).
+    """
+    if digest != fields.get("digest") or not (
+        isinstance(cls, type) and issubclass(cls, StagedCallBaseSnapshot)
+    ):
+        return None
+    if cls is StagedCallBaseSnapshot:
+        return cls.model_construct(**fields, **lists)
+    return cls.model_validate({**fields, **lists}, context={_DIGEST_RECOMPUTED: digest})
+
+
 class StagedCallRecord(StagedCallBaseSnapshot):
     """What a sink receives: a base snapshot plus the extras its ``extras_digest`` commits to."""
 

@@ -31,7 +31,12 @@ from tq_plugin.data_plane import (
     ROUTED_LEN_FIELD,
 )
 from tq_plugin.staging._gym import gym_record_class
-from tq_plugin.staging.digest import EMPTY_EXTRAS_DIGEST, compute_extras_digest
+from tq_plugin.staging.digest import (
+    EMPTY_EXTRAS_DIGEST,
+    checked_column_bytes,
+    compute_extras_digest,
+    digest_of_checked_row,
+)
 from tq_plugin.staging.media import (
     MEDIA_HAS_FRAMES_FIELD,
     MEDIA_IMGS_FIELD,
@@ -46,7 +51,12 @@ from tq_plugin.staging.media import (
     StagedMediaTensors,
     media_from_row,
 )
-from tq_plugin.staging.records import StagedCallBaseSnapshot, staging_key, validated_snapshot
+from tq_plugin.staging.records import (
+    StagedCallBaseSnapshot,
+    checked_snapshot,
+    staging_key,
+    validated_snapshot,
+)
 from tq_plugin.staging.store import (
     _CODE_TO_MODE,
     STAGING_FIELDS,
@@ -162,6 +172,27 @@ class _Batch:
             return [values[a:b] for a, b in itertools.pairwise(bounds)]
         return list(convert(value))
 
+    def flat(self, name: str) -> tuple[np.ndarray, list[int]] | None:
+        """A column's values as one numpy array and its row bounds (a jagged column's offsets;
+        every L values of a dense ``[N, L]`` one), or None for any other layout."""
+        value = self._column(name)
+        if type(value) is NestedTensor and value._lengths is None:
+            return value._values.detach().cpu().numpy(), value._offsets.tolist()
+        if _nested(value) or value.dim() != 2:
+            return None
+        width = value.shape[1]
+        return value.detach().cpu().numpy().reshape(-1), list(range(0, self.n * width + 1, width))
+
+    def token_columns(self) -> _TokenColumns | None:
+        """The three digest-covered columns checked once for the whole batch (None: row by row)."""
+        key = ("token_columns", "")
+        if key not in self._cache:
+            try:
+                self._cache[key] = _TokenColumns(self)
+            except (TypeError, ValueError, RuntimeError):  # row by row then names the fault
+                self._cache[key] = None
+        return self._cache[key]
+
     def rows(self, name: str) -> list[torch.Tensor]:
         """Each row as a tensor (jagged columns split by offsets; dense ones by row)."""
         key = ("rows", name)
@@ -225,6 +256,43 @@ class _Batch:
                 raise TypeError(f"staged byte column {name!r} must be uint8")
             self._cache[key] = [row.tobytes() for row in self.arrays(name)]
         return self._cache[key]
+
+
+class _TokenColumns:
+    """A batch's token columns checked against the digest's value rules, encoded big-endian and
+    made lists once (``checked_column_bytes``), so a row's snapshot costs one hash over slices."""
+
+    def __init__(self, batch: _Batch) -> None:
+        names = (TOKEN_IDS_DELTA_FIELD, "token_mask_delta", "generation_logprobs_delta")
+        ids, mask, logprobs = (batch.flat(name) for name in names)
+        self.encoded = None
+        if ids and mask and logprobs and ids[1] == mask[1] == logprobs[1]:
+            self.bounds = ids[1]
+            self.encoded = checked_column_bytes(ids[0], mask[0], logprobs[0])
+        if self.encoded is not None:
+            self.lists = (ids[0].tolist(), mask[0].tolist(), logprobs[0].tolist())
+
+    def snapshot(self, cls: type[Any], fields: dict[str, Any], i: int) -> Any | None:
+        """Row i's snapshot when its slices hash to the digest it carries (None otherwise: the
+        row is then validated by itself, which names what is wrong)."""
+        if self.encoded is None:
+            return None
+        a, b = self.bounds[i], self.bounds[i + 1]
+        ids_raw, mask_raw, logprob_raw = self.encoded
+        try:
+            digest = digest_of_checked_row(
+                fields, b - a, ids_raw[8 * a : 8 * b], mask_raw[4 * a : 4 * b],
+                logprob_raw[4 * a : 4 * b],
+            )
+        except (TypeError, ValueError):
+            return None
+        ids, mask, logprobs = self.lists
+        lists = {
+            "token_ids_delta": ids[a:b],
+            "token_mask_delta": mask[a:b],
+            "generation_log_probs_delta": logprobs[a:b],
+        }
+        return checked_snapshot(cls, fields, lists, digest)
 
 
 def _snapshot_fields(batch: _Batch, i: int) -> dict[str, Any]:
@@ -382,9 +450,11 @@ class TQTokenSource:
         return [self._fetched(batch, i, key, include_route_fragments) for i, key in enumerate(keys)]
 
     def _fetched(self, batch: _Batch, i: int, key: str, with_routes: bool) -> FetchedStagedCall:
-        snapshot = validated_snapshot(
-            self._snapshot_cls(), _snapshot_fields(batch, i), _snapshot_columns(batch, i)
-        )
+        cls, fields = self._snapshot_cls(), _snapshot_fields(batch, i)
+        columns = batch.token_columns()
+        snapshot = None if columns is None else columns.snapshot(cls, fields, i)
+        if snapshot is None:
+            snapshot = validated_snapshot(cls, fields, _snapshot_columns(batch, i))
         if staging_key(snapshot.rollout_id, snapshot.model_call_id) != key:
             raise KeyError(
                 f"staged row identity mismatch: requested {key!r}, the row holds "
