@@ -58,6 +58,12 @@ _INT_SCALARS = (
     ROUTED_LEN_FIELD,
 )
 _BOOL_SCALARS = ("parent_call_id_present", "chain_hash_present", "cumulative_hash_present")
+_BYTE_COLUMNS = (
+    "rollout_id_utf8",
+    "model_call_id_utf8",
+    "parent_call_id_utf8",
+    ROUTED_EXTRAS_METADATA_FIELD,
+)
 _DIGEST_COLUMNS = (
     ("digest_bytes", "digest"),
     ("extras_digest_bytes", "extras_digest"),
@@ -69,11 +75,17 @@ _DIGEST_NAMES = [name for name, _ in _DIGEST_COLUMNS]
 _THIS_CALL, _ANOTHER_CALL = "this call", "another call"
 
 
-def _bytes_tensor(value: bytes) -> torch.Tensor:
-    """Non-empty bytes as one ``[1, nbytes]`` uint8 row (stored jagged)."""
-    if not value:
+def _byte_rows(*values: bytes) -> list[torch.Tensor]:
+    """Non-empty byte strings as ``[1, nbytes]`` uint8 rows (stored jagged): numpy slices of one
+    buffer holding them all, each wrapped once (cheaper than a buffer and a torch op per row)."""
+    if not all(values):
         raise ValueError("a staged byte column cannot be empty")
-    return torch.from_numpy(np.frombuffer(bytearray(value), dtype=np.uint8).reshape(1, -1))
+    flat = np.frombuffer(bytearray(b"".join(values)), dtype=np.uint8).reshape(1, -1)
+    rows, start = [], 0
+    for value in values:
+        rows.append(torch.from_numpy(flat[:, start : start + len(value)]))
+        start += len(value)
+    return rows
 
 
 def _float32_wire(raw: bytes) -> torch.Tensor:
@@ -85,15 +97,16 @@ def _token_ids_wire(raw: bytes) -> torch.Tensor:
     """A ``[1, L]`` int64 row from the digest's big-endian u64 bytes.
 
     The digest allows any u64 id, but the staging wire stores int64, so an id of 2**63 or
-    more cannot round-trip and is rejected before the write.
+    more cannot round-trip and is rejected before the write (read as int64, such an id is
+    negative: one native reduction finds it).
     """
-    ids = np.frombuffer(raw, dtype=">u8")
-    if ids.size and int(ids.max()) > _INT64_MAX:
+    ids = np.frombuffer(raw, dtype=">i8").astype(np.int64)
+    if ids.size and ids.min() < 0:
         raise ValueError(
-            f"token_ids_delta holds {int(ids.max())}, above the int64 range the staging wire "
-            "stores; token ids must be below 2**63"
+            f"token_ids_delta holds {int(np.frombuffer(raw, dtype='>u8').max())}, above the "
+            "int64 range the staging wire stores; token ids must be below 2**63"
         )
-    return torch.from_numpy(ids.astype(np.int64).reshape(1, -1))
+    return torch.from_numpy(ids.reshape(1, -1))
 
 
 def extras_metadata_json(extras: Mapping[str, Any] | None) -> bytes:
@@ -251,7 +264,7 @@ class TQTokenSink:
             raise ValueError("extras_digest does not match extras")
         metadata = extras_metadata_json(extras)
         parent = record.parent_call_id
-        scalars = torch.from_numpy(
+        scalars = torch.from_numpy(  # [10, 1]: one view per column, cut by one unbind
             np.array(
                 [
                     record.schema_version,
@@ -266,7 +279,7 @@ class TQTokenSink:
                     ids.shape[1] if route_columns else 0,
                 ],
                 dtype=np.int64,
-            )
+            ).reshape(-1, 1)
         )
         digests = b"".join(
             digest_to_bytes(getattr(record, attr), attr) for _, attr in _DIGEST_COLUMNS
@@ -274,20 +287,25 @@ class TQTokenSink:
         digest_rows = torch.from_numpy(
             np.frombuffer(bytearray(digests), dtype=np.uint8).reshape(4, 1, 32)
         )
-        flags = torch.from_numpy(np.array([parent is not None, True, True]))
+        flags = torch.from_numpy(np.array([parent is not None, True, True]).reshape(-1, 1))
         fields: dict[str, torch.Tensor] = {
             "token_ids_delta": ids,
             "token_mask_delta": mask,
             "generation_logprobs_delta": logprobs,
-            "rollout_id_utf8": _bytes_tensor(record.rollout_id.encode("utf-8")),
-            "model_call_id_utf8": _bytes_tensor(record.model_call_id.encode("utf-8")),
-            "parent_call_id_utf8": _bytes_tensor(
-                b"\0" if parent is None else parent.encode("utf-8")
-            ),
-            ROUTED_EXTRAS_METADATA_FIELD: _bytes_tensor(metadata),
         }
-        fields.update(zip(_INT_SCALARS, scalars.reshape(-1, 1).unbind(0)))
-        fields.update(zip(_BOOL_SCALARS, flags.reshape(-1, 1).unbind(0)))
+        fields.update(
+            zip(
+                _BYTE_COLUMNS,
+                _byte_rows(
+                    record.rollout_id.encode("utf-8"),
+                    record.model_call_id.encode("utf-8"),
+                    b"\0" if parent is None else parent.encode("utf-8"),
+                    metadata,
+                ),
+            )
+        )
+        fields.update(zip(_INT_SCALARS, scalars.unbind(0)))
+        fields.update(zip(_BOOL_SCALARS, flags.unbind(0)))
         fields.update(zip(_DIGEST_NAMES, digest_rows.unbind(0)))
         fields.update(route_columns)
         if self.capture_media:

@@ -35,6 +35,7 @@ class RowPlan(NamedTuple):
 
     epoch: int
     fields: tuple[tuple[str, ColumnSpec, tuple[int, ...], bool], ...]  # name, spec, tail, jagged
+    dense_shapes: tuple[tuple[int, ...] | None, ...]  # a dense field's whole row shape (1, *tail)
 
     def unpack(self, rows: list[tuple[int, RowPlan, list[bytes], list[int], int]]) -> list[Prepared]:
         """Buffered rows back to one ``Prepared`` block per field: one join and one view per
@@ -86,17 +87,14 @@ class RowBuffer:
         column, non-CPU or grad tensors) returns False and takes the full path. The row is
         copied here, so the caller may reuse its tensors; reads write buffered rows first.
         """
-        tensor = torch.Tensor
-        signature = []
-        shapes = []
-        try:  # one pass: each field's layout key, and its shape for the copy below
+        tensor, strided = torch.Tensor, torch.strided
+        signature: list[Any] = []
+        try:  # one pass: each field's layout key; a field no plan can take ends it at once
             for name, v in items:
-                if type(v) is not tensor:
+                if (type(v) is not tensor or v.layout is not strided or not v.is_cpu
+                        or v.requires_grad or not v.is_contiguous()):
                     return False
-                shape = v.shape
-                shapes.append(shape)
-                signature.append((name, v.dtype, len(shape), v.layout, v.is_cpu,
-                                  v.requires_grad, v.is_contiguous()))
+                signature += (name, v.dtype, v.dim())
         except (AttributeError, RuntimeError, NotImplementedError):
             return False
         key = tuple(signature)
@@ -113,11 +111,14 @@ class RowBuffer:
         chunks: list[bytes] = []
         lengths: list[int] = []
         nbytes = 0
-        for (_, _, tail, jagged), (_, v), shape in zip(plan.fields, items, shapes):
-            if shape[0] != 1 or (shape[2:] if jagged else shape[1:]) != tail:
-                return False
+        for (_, _, tail, jagged), dense, (_, v) in zip(plan.fields, plan.dense_shapes, items):
+            shape = v.shape
             if jagged:
+                if shape[0] != 1 or (tail and shape[2:] != tail):
+                    return False
                 lengths.append(shape[1])
+            elif shape != dense:
+                return False
             size = v.nbytes
             chunks.append(_string_at(v.data_ptr(), size))
             nbytes += size
@@ -162,7 +163,7 @@ class RowBuffer:
             (name, p.spec, tuple(value.shape[2:] if p.spec.jagged else value.shape[1:]), p.spec.jagged)
             for (name, value), p in zip(items, prepared)
         )
-        return RowPlan(part.epoch, fields)
+        return RowPlan(part.epoch, fields, tuple(None if j else (1, *t) for _, _, t, j in fields))
 
     def _flush(self, part: Any) -> None:
         """Write the partition's buffered rows into its columns, one write per row layout.
