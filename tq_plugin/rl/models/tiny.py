@@ -59,6 +59,21 @@ class _Block(nn.Module):
         x = x + self.proj(y.reshape(b, s, d))
         return x + self.mlp(self.ln2(x))
 
+    def cached(self, x: torch.Tensor, allowed: torch.Tensor,
+               past: tuple[torch.Tensor, torch.Tensor] | None
+               ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The block on new positions ``x [B, s, d]`` after the cached keys and values ``past``
+        (``[B, heads, cached, d / heads]`` each); ``allowed [B, 1, s, cached + s]``: which keys
+        each new position sees. Returns the output and the keys and values with the new ones."""
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.n_heads, d // self.n_heads) \
+            .permute(2, 0, 3, 1, 4).unbind(0)
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed).transpose(1, 2)
+        x = x + self.proj(y.reshape(b, s, d))
+        return x + self.mlp(self.ln2(x)), (k, v)
+
 
 class TinyTransformer(nn.Module):
     """Causal LM trunk with an LM head (policy) or a scalar head (value, ``value_head=True``)."""
@@ -151,6 +166,30 @@ class TinyTransformer(nn.Module):
                                      self.head.bias + self.out_bias)
         out = self.head(hidden)
         return out.squeeze(-1) if out.shape[-1] == 1 else out + self.out_bias
+
+    @torch.no_grad()
+    def decode_step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    position_ids: torch.Tensor, cache: list | None
+                    ) -> tuple[torch.Tensor, list]:
+        """One cached decoding step of the policy (``engine=native``'s KV cache): the logits
+        ``[B, V]`` after the last of the new tokens ``input_ids [B, s]`` (at ``position_ids``),
+        and the cache with their keys and values. ``attention_mask [B, cached + s]``: 0 on left
+        padding, which no real token attends to; ``cache``: the last call's, ``None`` first."""
+        if self.head.out_features == 1:
+            raise ValueError("decode_step is for the policy: the value model returns values")
+        s, total = input_ids.shape[1], attention_mask.shape[1]
+        keys = torch.arange(total, device=input_ids.device)
+        new = keys[total - s:].unsqueeze(1)
+        # Causal over the real keys; each position sees itself too, so a padding position's
+        # attention is never empty (its output is never read).
+        allowed = ((keys <= new) & attention_mask.bool()[:, None, :]) | (keys == new)
+        x = self.tok(input_ids) + self.pos(position_ids.clamp(max=self.max_seq_len - 1))
+        cache = cache or [None] * len(self.blocks)
+        out = []
+        for block, past in zip(self.blocks, cache):
+            x, kv = block.cached(x, allowed.unsqueeze(1), past)
+            out.append(kv)
+        return self.head(self.ln_f(x[:, -1])) + self.out_bias, out
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -3,17 +3,18 @@
 The engine loads its own copy of the policy from an HF checkpoint directory (``config.json`` +
 safetensors, written by ``save_pretrained``; nothing is downloaded) and decodes every batch in
 one prefill (the last position's logits only) plus one cached forward per new token
-(:func:`cached_decode`, which ``engine=native`` uses too for a policy wrapping a transformers
-model). Prompts are left-padded with an attention mask and positions counted from each row's
-first real token, so a row computes what it would alone. Sampling shares the native engine's
+(:func:`cached_decode`, which ``engine=native`` uses too for a model with a cached step).
+Prompts are left-padded with an attention mask and positions counted from each row's first real
+token, so a row computes what it would alone. Sampling shares the native engine's
 draws (``tq_plugin.rollout.engine``): on the same weights, prompts and seeds both engines return
 the same tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -49,15 +50,32 @@ def load_checkpoint_model(path: str | Path, dtype: str) -> torch.nn.Module:
     return model.eval()
 
 
+# One cached decoding step: (new ids [B, s], attention mask [B, cached + s] (0: left padding),
+# position ids [B, s], the cache the last step returned or None) -> (the last position's
+# logits [B, V], the cache).
+CachedStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any],
+                      tuple[torch.Tensor, Any]]
+
+
+def transformers_step(model: torch.nn.Module, bias: torch.Tensor | None = None) -> CachedStep:
+    """The :data:`CachedStep` of a transformers causal LM (its own KV cache; only the last
+    position is projected, ``logits_to_keep=1``); ``bias`` is added to the logits (a policy's
+    output restriction)."""
+    def step(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+             cache: Any) -> tuple[torch.Tensor, Any]:
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                    past_key_values=cache, use_cache=True, logits_to_keep=1)
+        last = out.logits[:, -1].float()
+        return (last if bias is None else last + bias.to(last.device)), out.past_key_values
+
+    return step
+
+
 @torch.no_grad()
-def cached_decode(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
-                  params: SamplingParams, *, seeds: Sequence[int],
-                  bias: torch.Tensor | None = None) -> list[Completion]:
-    """Sample up to ``params.max_new_tokens`` per prompt with the transformers causal LM
-    ``model``: one prefill of the left-padded prompts (the last position's logits only,
-    ``logits_to_keep=1``), then one cached forward per new token (module docstring).
-    ``bias``: added to every step's logits (a policy's output restriction)."""
-    device = next(model.parameters()).device
+def cached_decode(step: CachedStep, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                  *, seeds: Sequence[int], device: torch.device) -> list[Completion]:
+    """Sample up to ``params.max_new_tokens`` per prompt: one prefill of the left-padded
+    prompts, then one cached ``step`` per new token (module docstring)."""
     b, steps = len(prompts), params.max_new_tokens
     width = max(len(p) for p in prompts)
     ids = torch.zeros(b, width, dtype=torch.long)
@@ -74,30 +92,21 @@ def cached_decode(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
     active = torch.ones(b, dtype=torch.bool)
     n_new = torch.zeros(b, dtype=torch.long)
     allowed, cache = None, None
-    was_training = model.training
-    model.eval()
-    try:
-        for step in range(steps):
-            out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                        past_key_values=cache, use_cache=True, logits_to_keep=1)
-            cache = out.past_key_values
-            last = out.logits[:, -1].float()
-            if bias is not None:
-                last = last + bias.to(last.device)
-            if allowed is None:
-                allowed = allowed_mask(last.shape[-1], params.allowed_token_ids)
-            tok, lp = sample_from(restrict(last, allowed), params.temperature, u[:, step])
-            out_tok[active, step] = tok[active]
-            out_lp[active, step] = lp[active]
-            n_new += active.long()
-            active = active & ~torch.isin(tok, stop)
-            if not active.any():
-                break
-            ids = tok.unsqueeze(1).to(device)
-            positions = positions[:, -1:] + 1
-            mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=device)], dim=1)
-    finally:
-        model.train(was_training)
+    for t in range(steps):
+        last, cache = step(ids, mask, positions, cache)
+        last = last.float().cpu()
+        if allowed is None:
+            allowed = allowed_mask(last.shape[-1], params.allowed_token_ids)
+        tok, lp = sample_from(restrict(last, allowed), params.temperature, u[:, t])
+        out_tok[active, t] = tok[active]
+        out_lp[active, t] = lp[active]
+        n_new += active.long()
+        active = active & ~torch.isin(tok, stop)
+        if not active.any():
+            break
+        ids = tok.unsqueeze(1).to(device)
+        positions = positions[:, -1:] + 1
+        mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=device)], dim=1)
     counts = n_new.tolist()
     return [Completion(out_tok[i, : counts[i]].tolist(), out_lp[i, : counts[i]].tolist())
             for i in range(b)]
@@ -120,7 +129,8 @@ class HFEngine:
             raise RuntimeError("engine=hf: generate after close")
         if image_patches is not None:
             raise EngineError("engine=hf reads no pixels: use engine=native with tq/staging=media")
-        return cached_decode(self.model, prompts, params, seeds=seeds)
+        return cached_decode(transformers_step(self.model), prompts, params, seeds=seeds,
+                             device=next(self.model.parameters()).device)
 
     def update_weights(self, weights: NamedWeights, *, version: int) -> None:
         """Copy ``weights`` (the checkpoint's parameter names) in place."""
@@ -131,4 +141,5 @@ class HFEngine:
         self.model = None
 
 
-__all__ = ["DTYPES", "HFEngine", "cached_decode", "load_checkpoint_model"]
+__all__ = ["DTYPES", "CachedStep", "HFEngine", "cached_decode", "load_checkpoint_model",
+           "transformers_step"]

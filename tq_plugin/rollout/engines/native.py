@@ -1,10 +1,13 @@
 """``engine=native``: the recipes' own sampler over any token model.
 
-All rows advance together on one right-padded buffer, one full forward per new token; causal
-attention makes the padding after each row's current end invisible to it. A policy that wraps a
-transformers causal LM (its ``backbone``, as ``model=hf_causal_lm``'s does) is decoded with
-that model's KV cache instead (:func:`~tq_plugin.rollout.engines.hf.cached_decode`, with the
-policy's output bias), unless it reads pixels or its weights are sharded. It serves any module
+A model with a cached step is decoded with its KV cache: one prefill of the left-padded prompts,
+then one forward of the new tokens per step (:func:`~tq_plugin.rollout.engines.hf.cached_decode`).
+That is a model with ``decode_step`` (:class:`~tq_plugin.rl.models.tiny.TinyTransformer`'s) or a
+policy wrapping a transformers causal LM (its ``backbone``, as ``model=hf_causal_lm``'s does,
+with the policy's output bias), unless it reads pixels or its weights are sharded (the wrapper's
+own forward gathers them). Any other model: all rows advance together on one right-padded
+buffer, one full forward per new token; causal attention makes the padding after each row's
+current end invisible to it. It serves any module
 with the forward ``tq_plugin.rl.models.protocol.TokenModel`` documents (``input_ids [B, S]``,
 optionally ``image_patches``; logits ``[B, S, V]`` for the next token after each position), so
 it is the one engine that reads staged pixels. Colocated, it holds the trainer's own policy:
@@ -28,7 +31,7 @@ from tq_plugin.rollout.engine import (
     restrict,
     sample_from,
 )
-from tq_plugin.rollout.engines.hf import cached_decode
+from tq_plugin.rollout.engines.hf import CachedStep, cached_decode, transformers_step
 
 # Pads the token buffer; never read (causal attention, right padding).
 _PAD = 0
@@ -41,17 +44,18 @@ def device_of(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def cached_lm(model: nn.Module) -> nn.Module | None:
-    """The transformers causal LM ``model`` wraps (``model.backbone``, one that generates), else
-    ``None``; ``None`` too when the weights are sharded (DTensors: the wrapper's own forward
-    gathers them)."""
+def cached_step(model: nn.Module) -> CachedStep | None:
+    """``model``'s cached decoding step (module docstring), else ``None``."""
+    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        return None
+    own = getattr(model, "decode_step", None)
+    if own is not None:
+        return own
     backbone = getattr(model, "backbone", None)
     can_generate = getattr(backbone, "can_generate", None)
     if backbone is None or can_generate is None or not can_generate():
         return None
-    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
-        return None
-    return backbone
+    return transformers_step(backbone, getattr(model, "out_bias", None))
 
 
 @torch.no_grad()
@@ -63,10 +67,14 @@ def decode(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingP
     to the host (one ``[rows, vocab]`` copy per token), where it is drawn at the request's
     uniforms (:func:`~tq_plugin.rollout.engine.draw_uniforms`).
     """
-    lm = cached_lm(model)
-    if lm is not None and image_patches is None:
-        return cached_decode(lm, prompts, params, seeds=seeds,
-                             bias=getattr(model, "out_bias", None))
+    step = cached_step(model) if image_patches is None else None
+    if step is not None:
+        was_training = model.training
+        model.eval()
+        try:
+            return cached_decode(step, prompts, params, seeds=seeds, device=device_of(model))
+        finally:
+            model.train(was_training)
     device = device_of(model)
     b, steps = len(prompts), params.max_new_tokens
     lens = torch.tensor([len(p) for p in prompts])
@@ -136,4 +144,4 @@ class NativeEngine:
         self.model = None
 
 
-__all__ = ["NativeEngine", "cached_lm", "decode", "device_of"]
+__all__ = ["NativeEngine", "cached_step", "decode", "device_of"]
