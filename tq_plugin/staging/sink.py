@@ -25,6 +25,7 @@ from tq_plugin.data_plane import (
 )
 from tq_plugin.staging._gym import gym_record_class
 from tq_plugin.staging.digest import (
+    EMPTY_EXTRAS_DIGEST,
     compute_extras_digest,
     digest_to_bytes,
     staging_digest_and_columns,
@@ -202,7 +203,7 @@ class TQTokenSink:
         except Exception as exc:  # noqa: BLE001 - stage never raises: the result carries it
             return self._failed(key, exc)  # rejected before any write: nothing to clean up
         try:
-            self.store.put(key, fields, tags=tags)
+            self.store.put_built(key, fields, tags)
         except Exception as exc:  # noqa: BLE001 - settled below, then reported
             held = self._settle_failed_write(key, fields)
             if held == _THIS_CALL:
@@ -259,8 +260,9 @@ class TQTokenSink:
             raise TypeError(f"extras must be a mapping or None, got {type(extras).__name__}")
         routes = None if extras is None else extras.get(ROUTED_EXPERTS_FIELD)
         encoding, route_columns = _route_columns(routes, ids.shape[1])
-        if routes is None and compute_extras_digest(extras) != record.extras_digest:
-            # Route-free extras are cheap to hash; calls with routes are checked at use.
+        if routes is None and record.extras_digest != (
+            EMPTY_EXTRAS_DIGEST if extras is None else compute_extras_digest(extras)
+        ):  # Route-free extras are cheap to hash; calls with routes are checked at use.
             raise ValueError("extras_digest does not match extras")
         metadata = extras_metadata_json(extras)
         parent = record.parent_call_id

@@ -127,6 +127,7 @@ class TQStagingStore:
         self.dp_client = dp_client
         self.staging_partition = staging_partition
         self._insert_only = accepts_put_mode(dp_client)
+        self._mode = {"mode": "insert"} if self._insert_only else {}
 
     def put(
         self,
@@ -146,15 +147,23 @@ class TQStagingStore:
         backend that stops part-way can never leave half of another call in an
         acknowledged row. Clients of the reference contract (no ``mode``) get a plain put.
         """
-        mode = {"mode": "insert"} if self._insert_only else {}
+        self._put(key, _one_row(field_dict), dict(tags or {}))
+
+    def put_built(self, key: str, fields: dict[str, torch.Tensor], tags: dict[str, Any]) -> None:
+        """``put`` of a row the sink has just built: one-row CPU tensors and tags in dicts of
+        their own, so the payload is wrapped without ``_one_row``'s per-leaf check and nothing
+        is copied first (the store validates and copies what it keeps, as for every put)."""
+        self._put(key, batch_of(fields, 1), tags)
+
+    def _put(self, key: str, fields: TensorDictBase, tags: dict[str, Any]) -> None:
         call_dp(
             self.dp_client,
             "put_samples",
             sample_ids=[key],
             partition_id=self.staging_partition,
-            fields=_one_row(field_dict),
-            tags=[dict(tags or {})],
-            **mode,
+            fields=fields,
+            tags=[tags],
+            **self._mode,
         )
 
     def get(self, keys: Sequence[str], *, select_fields: Sequence[str]) -> TensorDictBase:
