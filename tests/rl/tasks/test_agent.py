@@ -3,6 +3,7 @@ reassembler trains on exactly what the engine saw."""
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,6 +30,16 @@ async def two_calls(client, row, *, suffix=""):
 
 async def broken(client, row):
     raise ZeroDivisionError("division by zero")
+
+
+STARTED = itertools.count()
+
+
+async def every_other_raises(client, row):
+    """Two calls, or (every second rollout started) a ValueError before any call."""
+    if next(STARTED) % 2:
+        raise ValueError("every other one")
+    return await two_calls(client, row)
 
 
 async def not_a_number(client, row):
@@ -125,6 +136,26 @@ def test_an_agent_that_raises_is_named_with_its_file_and_line(tiny, tmp_path):
                                              r"raised ZeroDivisionError: division by zero"):
             runner.run(engine, step=0, prompts=1, group_size=1,
                        generator=torch.Generator().manual_seed(0))
+    finally:
+        runner.close()
+        engine.close()
+
+
+@pytest.mark.slow
+def test_when_agents_raise_every_rollout_of_the_step_is_closed_first(tiny, tmp_path):
+    global STARTED
+    STARTED = itertools.count()
+    _, _, engine, runner, _ = _runner(tiny, tmp_path, f"{__name__}.every_other_raises")
+    try:
+        with pytest.raises(AgentError, match="raised ValueError: every other one") as info:
+            runner.run(engine, step=0, prompts=4, group_size=2,
+                       generator=torch.Generator().manual_seed(0))
+        stats = runner.endpoint.stats()
+        # The 4 that raised and the 4 that made their 2 calls each: all closed, none open.
+        assert (stats["rollouts_closed"], stats["rollouts_open"]) == (8, 0), stats
+        assert stats["calls_staged"] == 8, stats
+        assert "4 of the step's 8 rollouts failed; every rollout was closed" in \
+            getattr(info.value, "__notes__", []), info.value
     finally:
         runner.close()
         engine.close()

@@ -202,9 +202,19 @@ class AgentRunner:
                             failed_calls=int(failed))
 
     async def _run_all(self, endpoint: Any, jobs: list[tuple[str, dict]]) -> list[tuple]:
+        """Every job runs to its end, each closing its rollout, before an agent's error stops
+        the step: one that raised first does not leave the others cancelled mid-call with their
+        rollouts open on the endpoint."""
         gate = asyncio.Semaphore(self.task.concurrency)
-        return list(await asyncio.gather(*(self._one(endpoint, rid, row, gate)
-                                           for rid, row in jobs)))
+        results = await asyncio.gather(*(self._one(endpoint, rid, row, gate)
+                                         for rid, row in jobs), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            if len(errors) > 1:
+                errors[0].add_note(f"{len(errors)} of the step's {len(jobs)} rollouts failed; "
+                                   f"every rollout was closed")
+            raise errors[0]
+        return list(results)
 
     async def _one(self, endpoint: Any, rid: str, row: dict, gate: asyncio.Semaphore) -> tuple:
         agent = self.task.agent_name
