@@ -487,10 +487,12 @@ def memory_markdown(memory: dict[str, Any]) -> str:
     growth = []
     for kind, res in memory.items():
         first, last = res["points"][0], res["points"][-1]
+        d0, d1 = first["driver"], last["driver"]
         growth.append(
-            f"{kind}: VmRSS {last['driver']['VmRSS'] / first['driver']['VmRSS']:.2f}x, "
-            f"RssAnon {last['driver']['RssAnon'] / first['driver']['RssAnon']:.2f}x "
-            f"({first['rollouts']:,} to {last['rollouts']:,} rollouts)")
+            f"{kind}: VmRSS {d1['VmRSS'] / d0['VmRSS']:.2f}x, RssAnon "
+            f"{d1['RssAnon'] / d0['RssAnon']:.2f}x ({first['rollouts']:,} to "
+            f"{last['rollouts']:,} rollouts; RssShmem +{d1['RssShmem'] - d0['RssShmem']:,.0f} MB "
+            f"while the store's live bytes grew {last['live_mb'] - first['live_mb']:,.0f} MB)")
     return "\n\n".join([
         (f"Driver memory while rollouts accumulate: steps of {ROLLOUTS} rollouts through the "
          "staging path into the store, every step's `KVBatchMeta` kept by the driver; each "

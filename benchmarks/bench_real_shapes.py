@@ -235,9 +235,29 @@ def _engine(name: str, model_dir: Path) -> Any:
     return build_engine(EngineConfig(name=name), checkpoint=model_dir, max_model_len=1024)
 
 
+def sync_gap(engine: Any, policy: Any, *, new_tokens: int = 8) -> float:
+    """Largest |engine logprob - policy logprob| over ``new_tokens`` tokens the engine samples
+    (temperature 1) after a prompt: ~1e-6 when the engine serves the policy's weights."""
+    import torch
+
+    from tq_plugin.rl.models.weights import hf_backbone
+    from tq_plugin.rollout.engine import SamplingParams
+
+    prompt = list(range(3, 3 + PROMPT))
+    out = engine.generate([prompt], SamplingParams(max_new_tokens=new_tokens, temperature=1.0,
+                                                   stop_token_ids=()), seeds=[0])[0]
+    ids = torch.tensor([prompt + list(out.token_ids)])
+    with torch.no_grad():
+        logits = hf_backbone(policy)(ids).logits[0, len(prompt) - 1:-1].float()
+    ref = torch.log_softmax(logits, dim=-1).gather(1, ids[0, len(prompt):, None])[:, 0]
+    return float((torch.tensor(out.logprobs) - ref).abs().max())
+
+
 def weight_sync(model_dir: Path, *, engine: str = "hf", runs: int = SYNC_RUNS) -> dict[str, Any]:
     """``engine``'s ``update_weights`` of the policy's 160 MB against a plain copy of the same
-    tensors into tensors of the same shapes, taking turns."""
+    tensors into tensors of the same shapes, taking turns. The policy's weights are first moved
+    off the checkpoint's (every tensor + 1% noise), so each sync carries new values; afterwards
+    ``sync_gap`` checks the engine serves them."""
     import torch
 
     from benchmarks._common import Stat, interleaved
@@ -245,6 +265,10 @@ def weight_sync(model_dir: Path, *, engine: str = "hf", runs: int = SYNC_RUNS) -
     from tq_plugin.rl.models.weights import engine_weights
 
     policy = HFCausalLM(48, pretrained_path=str(model_dir))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.01 * p.abs().mean() * torch.randn(p.shape, generator=g))
     served = _engine(engine, model_dir)
     named = list(engine_weights(policy, engine))
     targets = [torch.empty_like(t) for _, t in named]
@@ -261,9 +285,10 @@ def weight_sync(model_dir: Path, *, engine: str = "hf", runs: int = SYNC_RUNS) -
 
     try:
         times = interleaved({"sync": sync, "copy": copy}, runs=runs)
+        gap = sync_gap(served, policy)
     finally:
         served.close()
-    return {"engine": engine, "mb": nbytes / 1e6, "sync": Stat.of(times["sync"]),
+    return {"engine": engine, "mb": nbytes / 1e6, "gap": gap, "sync": Stat.of(times["sync"]),
             "copy": Stat.of(times["copy"]),
             "ratio": Stat.of([a / b for a, b in zip(times["sync"], times["copy"])])}
 
@@ -363,11 +388,16 @@ def markdown(mem: dict[str, Any], syncs: list[dict[str, Any]], e2e: list[dict[st
         lines[-1] += f"; TRL not measured ({mem['trl_missing']}: `pip install 'tq_plugin[bench]'`)."
     lines += ["", f"One weight sync ({syncs[0]['mb']:.0f} MB of float32) against a plain copy of "
               f"the same tensors into tensors of the same shapes, {SYNC_RUNS} runs, taking turns "
-              "(median (min–max)):", "",
-              "| engine | sync s | plain copy s | sync / copy |", "|---|---|---|---|"]
+              "(median (min–max)). The synced weights differ from the checkpoint's the engine "
+              "started from (1% noise on every tensor); *logprob gap after*: the largest "
+              "difference between the engine's logprobs of 8 tokens it sampled and the policy's "
+              "own (float32: ~1e-6 when the engine serves the synced weights).", "",
+              "| engine | sync s | plain copy s | sync / copy | logprob gap after |",
+              "|---|---|---|---|---|"]
     for sync in syncs:
         lines.append(f"| {sync['engine']} | {sync['sync'].fmt('.3f')} | "
-                     f"{sync['copy'].fmt('.3f')} | {sync['ratio'].fmt('.1f', 'x')} |")
+                     f"{sync['copy'].fmt('.3f')} | {sync['ratio'].fmt('.1f', 'x')} | "
+                     f"{sync['gap']:.1e} |")
     lines += [
         "",
         f"One GRPO step end to end, 512 new tokens, 2 prompts x 2, each engine's default "
