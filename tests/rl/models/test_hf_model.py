@@ -53,6 +53,17 @@ def test_a_packed_row_equals_each_sequence_alone(attn, pad_multiple, value_head)
     torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("value_head", [False, True], ids=["policy", "value"])
+def test_a_packed_rows_outputs_are_tensors_of_their_own(value_head):
+    """Not views: an FSDP2 root module's returned view loses its pre-backward hook to an
+    in-place op (torch warns on every forward; the disaggregated FSDP test asserts it does not)."""
+    model = HFCausalLM(V, value_head=value_head)
+    index = PackedIndex(torch.tensor(LENGTHS))
+    out = model(index.pack(torch.randint(0, V, (sum(LENGTHS),))),
+                position_ids=index.position_ids[None], segment_ids=index.segment_ids[None])
+    assert out.shape[:2] == (1, sum(LENGTHS)) and not out._is_view()
+
+
 def test_cu_seqlens_stands_for_segment_ids():
     torch.manual_seed(0)
     model = HFCausalLM(V).eval()

@@ -153,8 +153,10 @@ def _block(row: torch.Tensor, slot: torch.Tensor, segments: int, longest: int) -
 
 
 def _unblock(block: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-    """The block's ``[segments, longest, ...]`` outputs back in the row's ``[1, T, ...]``."""
-    return block.reshape(-1, *block.shape[2:])[slot].unsqueeze(0)
+    """The block's ``[segments, longest, ...]`` outputs back in the row's ``[1, T, ...]``: a
+    tensor of its own (indexed with ``[1, T]``), not a view, since an FSDP2 root module's
+    returned view loses its pre-backward hook to an in-place op."""
+    return block.reshape(-1, *block.shape[2:])[slot.unsqueeze(0)]
 
 
 class HFCausalLM(nn.Module):
