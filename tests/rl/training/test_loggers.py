@@ -27,6 +27,19 @@ def run(monkeypatch, tmp_path, *overrides: str) -> dict:
     return json.loads((tmp_path / "result.json").read_text())
 
 
+def test_a_callback_monitoring_an_rl_figure_finds_it(monkeypatch, tmp_path):
+    """The module hands its rl/* figures to the loggers directly (not through self.log), and
+    puts them in trainer.callback_metrics too: a ModelCheckpoint monitoring rl/loss saves."""
+    ckpts = tmp_path / "ckpts"
+    overrides = ["trainer.enable_checkpointing=true",
+                 "+callbacks.ckpt._target_=lightning.pytorch.callbacks.ModelCheckpoint",
+                 "+callbacks.ckpt.monitor=rl/loss", "+callbacks.ckpt.mode=min",
+                 "+callbacks.ckpt.every_n_train_steps=1", f"+callbacks.ckpt.dirpath={ckpts}",
+                 "+callbacks.ckpt.filename=best"]
+    assert run(monkeypatch, tmp_path, *overrides)["status"] == "ok"
+    assert (ckpts / "best.ckpt").is_file()
+
+
 @pytest.mark.slow  # wandb starts its service process: ~30 s on 2 busy cores
 @pytest.mark.timeout(180)
 def test_wandb_writes_an_offline_run_inside_the_run_dir(monkeypatch, tmp_path):

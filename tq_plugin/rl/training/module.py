@@ -385,9 +385,13 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         logged |= {"rl/step": float(step), "rl/reward": float(self.current_reward)}
         # To every logger in one call, not through self.log: Lightning's result collection costs
         # a few hundred microseconds a key, ~20 keys an optimizer step (a sixth of a toy step).
-        # The console line reads them here; the progress bar gets the reward through self.log.
+        # The console line reads them here; the progress bar gets the reward through self.log;
+        # callbacks that monitor a key (ModelCheckpoint, EarlyStopping) find every one in
+        # trainer.callback_metrics, as self.log would have put it there.
         self.logged_figures = logged
-        if self.trainer.is_global_zero:
+        self.trainer.callback_metrics.update({k: torch.tensor(v) for k, v in logged.items()})
+        every = self.trainer.log_every_n_steps
+        if self.trainer.is_global_zero and (not every or self.trainer.global_step % every == 0):
             for logger in self.trainer.loggers:
                 logger.log_metrics(logged, step=self.trainer.global_step)
         self.log("rl/reward", logged["rl/reward"], prog_bar=True, logger=False, on_step=True,
