@@ -223,6 +223,7 @@ def memory_table(model_dir: Path, workdir: Path, *, repeats: int = 2) -> dict[st
 
 # ---------------------------------------------------------------------------- weight sync
 SYNC_RUNS = 5
+SYNC_GAP_TOLERANCE = 1e-4  # float32 engines agree with the policy to ~1e-6 per token
 E2E_ENGINES = ("hf", "vllm")
 
 
@@ -398,6 +399,11 @@ def markdown(mem: dict[str, Any], syncs: list[dict[str, Any]], e2e: list[dict[st
         lines.append(f"| {sync['engine']} | {sync['sync'].fmt('.3f')} | "
                      f"{sync['copy'].fmt('.3f')} | {sync['ratio'].fmt('.1f', 'x')} | "
                      f"{sync['gap']:.1e} |")
+    stale = [sync["engine"] for sync in syncs if sync["gap"] > SYNC_GAP_TOLERANCE]
+    if stale:
+        lines += ["", f"After the sync, {' and '.join(f'`engine={e}`' for e in stale)} gave "
+                  f"logprobs more than {SYNC_GAP_TOLERANCE:.0e} off the policy's: it does not "
+                  "serve every synced tensor."]
     lines += [
         "",
         f"One GRPO step end to end, 512 new tokens, 2 prompts x 2, each engine's default "
