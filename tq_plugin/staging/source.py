@@ -451,7 +451,9 @@ class TQTokenSource:
 
     def _fetched(self, batch: _Batch, i: int, key: str, with_routes: bool) -> FetchedStagedCall:
         cls, fields = self._snapshot_cls(), _snapshot_fields(batch, i)
-        columns = batch.token_columns()
+        # Only our snapshot class (and its subclasses) takes a digest handed to it.
+        ours = isinstance(cls, type) and issubclass(cls, StagedCallBaseSnapshot)
+        columns = batch.token_columns() if ours else None
         snapshot = None if columns is None else columns.snapshot(cls, fields, i)
         if snapshot is None:
             snapshot = validated_snapshot(cls, fields, _snapshot_columns(batch, i))
