@@ -304,7 +304,9 @@ def markdown(results: dict[str, list[dict]], prof: dict[str, Any], missing: str 
         "`num_iterations=4`, `max_steps=480`, the same lr, clip, loss type and sampling. "
         "Each run in a fresh process, the three taking turns; seconds as best / median "
         "(min–max); the run's own seconds are ours' `result.json` `wall_s` and TRL's "
-        "`trainer.train()`.",
+        "`trainer.train()`; process CPU s is the process's user + system seconds (imports "
+        "included), the figure that holds still when other work loads the box. Ratios: best "
+        "(min / min), then per round (run i against run i).",
         "",
         "| run | process s | process CPU s | in-run s | reward, first 5 -> last 5 steps "
         "| ours / TRL: process s | CPU s | in-run s |",
