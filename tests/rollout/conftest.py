@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tq_plugin.config.schema import EngineConfig
-from tq_plugin.rl.models.weights import write_engine_checkpoint
+from tq_plugin.rl.models.weights import hf_backbone, write_engine_checkpoint
 from tq_plugin.rl.tasks.pattern import EOS, PatternTask
 from tq_plugin.rollout import build_engine
 
@@ -31,10 +31,17 @@ MAX_LEN = 64
 
 def make_policy(seed: int = 0) -> HFCausalLM:
     """A 2-layer llama over the pattern task's vocabulary; head_dim 32 (vLLM's CPU attention
-    needs a multiple of 32)."""
+    needs a multiple of 32). Its output head is its input embedding (``tie_word_embeddings``, as
+    in Qwen2.5-0.5B or Llama-3.2-1B): the checkpoint has no ``lm_head.weight``, and a weight
+    sync must reach the head through the embedding."""
     torch.manual_seed(seed)
-    return HFCausalLM(TASK.vocab_size, d_model=64, n_heads=2, n_layers=2, max_seq_len=MAX_LEN,
-                      output_token_ids=TASK.output_token_ids).eval()
+    policy = HFCausalLM(TASK.vocab_size, d_model=64, n_heads=2, n_layers=2, max_seq_len=MAX_LEN,
+                        output_token_ids=TASK.output_token_ids).eval()
+    backbone = hf_backbone(policy)
+    backbone.config.tie_word_embeddings = True
+    backbone.tie_weights()
+    assert backbone.get_output_embeddings().weight is backbone.get_input_embeddings().weight
+    return policy
 
 
 def engine_param(name: str):

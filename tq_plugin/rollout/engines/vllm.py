@@ -11,7 +11,9 @@ Weights are replaced in place: ``collective_rpc("reload_weights", weights_iterat
 in this process, where the tensors need no serializing, then ``reset_prefix_cache`` drops KV
 blocks computed with the old weights (a prompt of a block or more would otherwise reuse them).
 ``load_weights`` is not used: the CPU backend repacks linear weights after loading and refuses
-it half way. A failed reload leaves vLLM's model unusable, so the names are checked first.
+it half way. A failed reload leaves vLLM's model unusable, so the names are checked first. A
+checkpoint with tied input and output embeddings has no ``lm_head.weight``: the reload loads the
+embedding and leaves the head's old tensor, so the tie is restored after it (``retie_parameters``).
 
 In-process vLLM changes the process it runs in: its CPU worker replaces ``torch.set_num_threads``
 with a no-op and seeds the global RNGs. Both are put back once the engine is up, so code
@@ -21,6 +23,7 @@ sharing the process (the trainer, other tests) keeps its own threads and random 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import random
@@ -57,6 +60,38 @@ def _process_state_kept() -> Iterator[None]:
         torch.random.set_rng_state(states[0])
         np.random.set_state(states[1])
         random.setstate(states[2])
+
+
+def tied_parameters(model: torch.nn.Module) -> list[tuple[str, str]]:
+    """``(alias, source)`` names of the model's parameters that share another's storage: a
+    checkpoint with ``tie_word_embeddings`` (Qwen2.5-0.5B, Llama-3.2-1B) loads ``lm_head.weight``
+    as the input embedding's storage."""
+    first: dict[int, str] = {}
+    ties = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if param.numel() == 0:
+            continue
+        source = first.setdefault(param.data_ptr(), name)
+        if source != name:
+            ties.append((name, source))
+    return ties
+
+
+def retie_parameters(model: torch.nn.Module, ties: Sequence[tuple[str, str]]) -> int:
+    """Point each alias at its source's storage again and re-run its layer's after-loading step;
+    the number re-tied. vLLM's in-place reload loads the source and skips the alias (a tied
+    checkpoint has no ``lm_head.weight``: "ParallelLMHead: Failed to load weights"), so the
+    alias's layer keeps what it built from the old weights: on the CPU backend the output head
+    multiplies by a prepacked copy of the old matrix. Without this the engine would sample from
+    the new embeddings through the old output head."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for alias, source in ties:
+        params[alias].data = params[source].data
+        layer = model.get_submodule(alias.rpartition(".")[0])
+        method = getattr(layer, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(layer)
+    return len(ties)
 
 
 def checkpoint_names(path: Path) -> set[str]:
@@ -104,6 +139,9 @@ class VLLMEngine:
                     f"engine.dtype, or use engine=hf") from exc
         self.names = checkpoint_names(path)
         self.weight_version = weight_version
+        # Recorded while vLLM's own load still has them tied (one list per worker: in-process,
+        # one); a reload breaks them and update_weights restores them.
+        self.ties: list[tuple[str, str]] = self.llm.apply_model(tied_parameters)[0]
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
                  seeds: Sequence[int], image_patches: torch.Tensor | None = None
@@ -148,6 +186,8 @@ class VLLMEngine:
                 os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
             given = iter(list(given))  # the engine core is another process: the RPC pickles it
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": given})
+        if self.ties:
+            self.llm.apply_model(functools.partial(retie_parameters, ties=self.ties))
         self.llm.reset_prefix_cache()
         self.weight_version = version
 
@@ -170,4 +210,4 @@ class VLLMEngine:
         gc.collect()
 
 
-__all__ = ["INSTALL_HINT", "VLLMEngine", "checkpoint_names"]
+__all__ = ["INSTALL_HINT", "VLLMEngine", "checkpoint_names", "retie_parameters", "tied_parameters"]
