@@ -129,11 +129,13 @@ def test_killed_disaggregated_run_resumes_and_trains_every_prompt_group_once(
 
     killed = tmp_path / "killed"
     # After a SIGKILL of the trainer, which started and hosted Ray, its worker actors go within
-    # ~10 s; Ray's dashboard and runtime-env agents exit once their reconnect to the dead GCS
-    # times out (~60 s).
+    # ~10 s; the raylet exits once its reconnect to the dead GCS times out (Ray's
+    # gcs_rpc_server_reconnect_timeout_s: 60 s by default, 15 s for this run) and Ray's agents
+    # follow it. The linger bounds all of it.
     kill = ["+callbacks.kill._target_=resume_killer.KillAt", "+callbacks.kill.step=3",
             f"+callbacks.kill.index={index}", f"+callbacks.kill.signum={int(signum)}"]
-    rc, err, left = _run(run_process_tree, killed, launcher_free_env, *kill, linger=120.0)
+    env = {**launcher_free_env, "RAY_gcs_rpc_server_reconnect_timeout_s": "15"}
+    rc, err, left = _run(run_process_tree, killed, env, *kill, linger=120.0)
     assert not left, f"processes of the killed run left behind: {left}"
     checkpoints = killed / "checkpoints"
     if signum == signal.SIGKILL:
