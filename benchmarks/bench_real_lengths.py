@@ -428,13 +428,13 @@ def markdown(step: dict[str, Any], packing: dict[str, Any], memory: dict[str, An
         put_get = [a + b for a, b in zip(k["put"], k["get"])]
         total = [sum(x) for x in zip(k["stage"], k["finalize"], k["read"], k["clear"])]
         rows.append([kind, _ms(k["put"]), _ms(k["get"]), _ms(put_get),
-                     f"{min(copy) / min(put_get):.2f} / "
-                     f"{statistics.median([c / p for c, p in zip(copy, put_get)]):.2f}",
+                     (f"{min(copy) / min(put_get):.2f} / "
+                     f"{statistics.median([c / p for c, p in zip(copy, put_get)]):.2f}"),
                      _ms(k["stage"]), _ms(k["finalize"]), _ms(k["read"]), _ms(k["clear"]),
                      _ms(total)])
     parts = [
-        f"### Real lengths: {ROLLOUTS} rollouts x {COMPLETION:,}-token completions "
-        "(`bench_real_lengths`)",
+        (f"### Real lengths: {ROLLOUTS} rollouts x {COMPLETION:,}-token completions "
+        "(`bench_real_lengths`)"),
         (f"`{command}`; load average {load:.1f} on 2 cores when it started. A step: "
          f"{ROLLOUTS} calls of a {PROMPT}-token prompt and a {COMPLETION:,}-token completion "
          f"(ids below {VOCAB:,}, float32 logprobs), {step['tokens']:,} tokens; its training rows "

@@ -133,7 +133,7 @@ def ours_step(policy: Any, batch: dict[str, Any]) -> Any:
         ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
         mask = torch.zeros_like(ids, dtype=torch.bool)
         mask[:, PROMPT:] = True
-        lp, ent = score_tokens(policy, ids, TokenScoring(mask=mask, chunk_tokens=LOGPROB_CHUNK,
+        lp, _ent = score_tokens(policy, ids, TokenScoring(mask=mask, chunk_tokens=LOGPROB_CHUNK,
                                                          with_entropy=True))
         ratio = torch.exp(lp - lp.detach())
         loss = -(ratio * batch["advantages"].unsqueeze(1) * mask).sum() / mask.sum()
@@ -363,14 +363,14 @@ def markdown(mem: dict[str, Any], syncs: list[dict[str, Any]], e2e: list[dict[st
     lines = [
         "## Real model shapes: a Qwen2-shaped model at a 151,936-id vocabulary",
         "",
-        f"`python -m benchmarks.run_all bench_real_shapes`: {HIDDEN} wide, {LAYERS} layers, "
+        (f"`python -m benchmarks.run_all bench_real_shapes`: {HIDDEN} wide, {LAYERS} layers, "
         "random init, 40M parameters (160 MB float32), the tiny text task's tokenizer; sequences "
         f"of {PROMPT} prompt + {COMPLETION} completion tokens; 2 torch threads. One training "
         "microbatch (forward + backward of the GRPO loss, no optimizer step): peak RSS above the "
         "step's start, best of 2, ours (`score_tokens`: chunked logprobs from the hidden states, "
         f"completion positions only, chunk {LOGPROB_CHUNK}) and TRL 1.16 `GRPOTrainer."
         "compute_loss` (its chunked LM head; on the CPU it projects every position) on the same "
-        "sequences, taking turns.",
+        "sequences, taking turns."),
         "",
         "| tokens / microbatch | ours peak MB | TRL peak MB | ours tokens/s | TRL tokens/s |",
         "|---|---|---|---|---|",
@@ -387,12 +387,12 @@ def markdown(mem: dict[str, Any], syncs: list[dict[str, Any]], e2e: list[dict[st
                       f"{slope / _slope(trl):.2f}).")
     else:
         lines[-1] += f"; TRL not measured ({mem['trl_missing']}: `pip install 'tq_plugin[bench]'`)."
-    lines += ["", f"One weight sync ({syncs[0]['mb']:.0f} MB of float32) against a plain copy of "
+    lines += ["", (f"One weight sync ({syncs[0]['mb']:.0f} MB of float32) against a plain copy of "
               f"the same tensors into tensors of the same shapes, {SYNC_RUNS} runs, taking turns "
               "(median (min–max)). The synced weights differ from the checkpoint's the engine "
               "started from (1% noise on every tensor); *logprob gap after*: the largest "
               "difference between the engine's logprobs of 8 tokens it sampled and the policy's "
-              "own (float32: ~1e-6 when the engine serves the synced weights).", "",
+              "own (float32: ~1e-6 when the engine serves the synced weights)."), "",
               "| engine | sync s | plain copy s | sync / copy | logprob gap after |",
               "|---|---|---|---|---|"]
     for sync in syncs:
@@ -401,12 +401,12 @@ def markdown(mem: dict[str, Any], syncs: list[dict[str, Any]], e2e: list[dict[st
                      f"{sync['gap']:.1e} |")
     stale = [sync["engine"] for sync in syncs if sync["gap"] > SYNC_GAP_TOLERANCE]
     if stale:
-        lines += ["", f"After the sync, {' and '.join(f'`engine={e}`' for e in stale)} gave "
+        lines += ["", (f"After the sync, {' and '.join(f'`engine={e}`' for e in stale)} gave "
                   f"logprobs more than {SYNC_GAP_TOLERANCE:.0e} off the policy's: it does not "
-                  "serve every synced tensor."]
+                  "serve every synced tensor.")]
     lines += [
         "",
-        f"One GRPO step end to end, 512 new tokens, 2 prompts x 2, each engine's default "
+        (f"One GRPO step end to end, 512 new tokens, 2 prompts x 2, each engine's default "
         f"options (`vllm`: in-process, float32, eager, 64 MiB KV cache, 1 thread; `hf`: the "
         f"process's threads), one after the other (load average {load:.1f} on 2 cores when the "
         f"bench started): `{e2e[0]['command']}` (and `engine=vllm`). *generation and staging*: "
@@ -414,10 +414,10 @@ def markdown(mem: dict[str, Any], syncs: list[dict[str, Any]], e2e: list[dict[st
         "advantages written back); *training*: `train_s`; *data plane*: the trainer's metered "
         "client over the step (`dp/policy/dp_time_s`: every store call, the staging puts and "
         "reads included, so it overlaps the other columns); wall: the whole `tq-train` "
-        "process, imports and start-up included.",
+        "process, imports and start-up included."),
         "",
-        "| engine | generation and staging s | logprob pass s | training s (tokens/s) | "
-        "data plane s (MB) | peak RSS MB | wall s |",
+        ("| engine | generation and staging s | logprob pass s | training s (tokens/s) | "
+        "data plane s (MB) | peak RSS MB | wall s |"),
         "|---|---|---|---|---|---|---|",
     ]
     for run in e2e:

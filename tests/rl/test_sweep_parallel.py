@@ -17,7 +17,7 @@ pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
 
 def _pids(log):
     """The process ids a job's log lines were written from (the format below puts one on each)."""
-    return {int(m) for m in re.findall(r"^\[pid (\d+)\]", log.read_text(), flags=re.M)}
+    return {int(m) for m in re.findall(r"^\[pid (\d+)\]", log.read_text(), flags=re.MULTILINE)}
 
 
 @pytest.mark.slow

@@ -19,10 +19,10 @@ from hydra.core.global_hydra import GlobalHydra
 
 transformers = pytest.importorskip("transformers")
 
-from tq_plugin.config import ConfigError, validate_config  # noqa: E402
-from tq_plugin.rl.models.hf import HFCausalLM, resolve_sizes  # noqa: E402
-from tq_plugin.rl.models.weights import write_hf_checkpoint  # noqa: E402
-from tq_plugin.rl.tasks.tiny_text import build_model, train_tokenizer  # noqa: E402
+from tq_plugin.config import ConfigError, validate_config
+from tq_plugin.rl.models.hf import HFCausalLM, resolve_sizes
+from tq_plugin.rl.models.weights import write_hf_checkpoint
+from tq_plugin.rl.tasks.tiny_text import build_model, train_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +60,8 @@ def test_unset_sizes_come_from_the_checkpoint(checkpoint):
 @pytest.mark.parametrize(("key", "value", "rule"), [
     ("d_model", 64, r"model.d_model=64 contradicts the checkpoint's hidden_size=96"),
     ("n_heads", 4, r"model.n_heads=4 contradicts the checkpoint's num_attention_heads=3"),
-    ("max_seq_len", 128, r"model.max_seq_len=128 exceeds the checkpoint's "
-                         r"max_position_embeddings \(80\)"),
+    ("max_seq_len", 128, (r"model.max_seq_len=128 exceeds the checkpoint's "
+                         r"max_position_embeddings \(80\)")),
 ])
 def test_a_size_that_contradicts_the_checkpoint_is_a_config_error(checkpoint, key, value, rule):
     path, _ = checkpoint
