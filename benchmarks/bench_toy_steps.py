@@ -201,14 +201,14 @@ def compare(model_dir: Path, *, runs: int = 3, steps: int = STEPS) -> dict[str, 
     missing = trl_available()
     results: dict[str, list[dict]] = {"trl": [], "native": [], "hf": []}
     for i in range(runs):
-        for name in results:
+        for name, rows in results.items():
             if name == "trl":
                 if missing:
                     continue
                 out = run_trl(model_dir, steps=steps)
             else:
                 out = run_ours(model_dir, name, steps=steps)
-            results[name].append(out)
+            rows.append(out)
             print(f"  round {i}: {name} process {out['process_s']:.1f} s (CPU "
                   f"{out['cpu_s']:.1f} s), run {out['run_s']:.1f} s,"
                   f" reward {out['reward_first']:.3f} -> {out['reward_last']:.3f}", flush=True)
@@ -308,8 +308,8 @@ def markdown(results: dict[str, list[dict]], prof: dict[str, Any], missing: str 
         "included), the figure that holds still when other work loads the box. Ratios: best "
         "(min / min), then per round (run i against run i).",
         "",
-        "| run | process s | process CPU s | in-run s | reward, first 5 -> last 5 steps "
-        "| ours / TRL: process s | CPU s | in-run s |",
+        ("| run | process s | process CPU s | in-run s | reward, first 5 -> last 5 steps "
+        "| ours / TRL: process s | CPU s | in-run s |"),
         "|---|---|---|---|---|---|---|---|",
     ]
     trl = results["trl"]
@@ -338,10 +338,10 @@ def markdown(results: dict[str, list[dict]], prof: dict[str, Any], missing: str 
         return "\n".join(lines)
     per_step, start = prof["per_step_ms"], prof["outside_s"]
     lines += [
-        f"Where one step of ours goes (`engine=native`, one run under py-spy at 100 samples/s, "
+        (f"Where one step of ours goes (`engine=native`, one run under py-spy at 100 samples/s, "
         f"wall clock; {prof['total_s']:.0f} s in all, of which {start:.1f} s start-up, set-up "
         "and artifacts): ms per RL step, each sample in the first bucket whose function is on "
-        "its stack (`BUCKETS` in the module).",
+        "its stack (`BUCKETS` in the module)."),
         "",
         "| bucket | ms / step |",
         "|---|---|",
