@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -156,6 +156,54 @@ def sample_from(logits: torch.Tensor, temperature: float, u: torch.Tensor
     return tok, logp.gather(1, tok.unsqueeze(1)).squeeze(1)
 
 
+# One cached decoding step: (new ids [B, s], attention mask [B, cached + s] (0: left padding),
+# position ids [B, s], the cache the last step returned or None) -> (the last position's
+# logits [B, V], the cache).
+CachedStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any],
+                      tuple[torch.Tensor, Any]]
+
+
+@torch.no_grad()
+def cached_decode(step: CachedStep, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                  *, seeds: Sequence[int], device: torch.device) -> list[Completion]:
+    """Sample up to ``params.max_new_tokens`` per prompt: one prefill of the left-padded
+    prompts, then one cached ``step`` per new token (``engine=hf``; ``engine=native`` for a model with a cached step)."""
+    b, steps = len(prompts), params.max_new_tokens
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(b, width, dtype=torch.long)
+    mask = torch.zeros(b, width, dtype=torch.long)
+    for i, p in enumerate(prompts):  # left padding: every row's next token is at the end
+        ids[i, width - len(p):] = torch.tensor(list(p))
+        mask[i, width - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    u = draw_uniforms(seeds, steps)
+    stop = torch.tensor(list(params.stop_token_ids) or [-1])
+    out_tok = torch.zeros(b, steps, dtype=torch.long)
+    out_lp = torch.zeros(b, steps)
+    active = torch.ones(b, dtype=torch.bool)
+    n_new = torch.zeros(b, dtype=torch.long)
+    allowed, cache = None, None
+    for t in range(steps):
+        last, cache = step(ids, mask, positions, cache)
+        last = last.float().cpu()
+        if allowed is None:
+            allowed = allowed_mask(last.shape[-1], params.allowed_token_ids)
+        tok, lp = sample_from(restrict(last, allowed), params.temperature, u[:, t])
+        out_tok[active, t] = tok[active]
+        out_lp[active, t] = lp[active]
+        n_new += active.long()
+        active = active & ~torch.isin(tok, stop)
+        if not active.any():
+            break
+        ids = tok.unsqueeze(1).to(device)
+        positions = positions[:, -1:] + 1
+        mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=device)], dim=1)
+    counts = n_new.tolist()
+    return [Completion(out_tok[i, : counts[i]].tolist(), out_lp[i, : counts[i]].tolist())
+            for i in range(b)]
+
+
 def copy_named(model: torch.nn.Module, weights: NamedWeights, *, engine: str) -> None:
     """Copy ``weights`` into ``model``'s parameters by name; every parameter must be named with
     its shape, checked before anything is copied. ``StreamedWeights`` are checked by their
@@ -180,5 +228,6 @@ def copy_named(model: torch.nn.Module, weights: NamedWeights, *, engine: str) ->
             del tensor
 
 
-__all__ = ["Completion", "EngineError", "NamedWeights", "RolloutEngine", "SamplingParams",
-           "StreamedWeights", "allowed_mask", "copy_named", "draw_uniforms", "restrict", "sample_from"]
+__all__ = ["CachedStep", "Completion", "EngineError", "NamedWeights", "RolloutEngine",
+           "SamplingParams", "StreamedWeights", "allowed_mask", "cached_decode", "copy_named",
+           "draw_uniforms", "restrict", "sample_from"]

@@ -3,7 +3,8 @@
 The engine loads its own copy of the policy from an HF checkpoint directory (``config.json`` +
 safetensors, written by ``save_pretrained``; nothing is downloaded) and decodes every batch in
 one prefill (the last position's logits only) plus one cached forward per new token
-(:func:`cached_decode`, which ``engine=native`` uses too for a model with a cached step).
+(:func:`~tq_plugin.rollout.engine.cached_decode`, which ``engine=native`` uses too for a model
+with a cached step).
 Prompts are left-padded with an attention mask and positions counted from each row's first real
 token, so a row computes what it would alone. Sampling shares the native engine's
 draws (``tq_plugin.rollout.engine``): on the same weights, prompts and seeds both engines return
@@ -12,22 +13,20 @@ the same tokens.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tq_plugin.rollout.engine import (
+    CachedStep,
     Completion,
     EngineError,
     NamedWeights,
     SamplingParams,
-    allowed_mask,
+    cached_decode,
     copy_named,
-    draw_uniforms,
-    restrict,
-    sample_from,
 )
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -50,13 +49,6 @@ def load_checkpoint_model(path: str | Path, dtype: str) -> torch.nn.Module:
     return model.eval()
 
 
-# One cached decoding step: (new ids [B, s], attention mask [B, cached + s] (0: left padding),
-# position ids [B, s], the cache the last step returned or None) -> (the last position's
-# logits [B, V], the cache).
-CachedStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any],
-                      tuple[torch.Tensor, Any]]
-
-
 def transformers_step(model: torch.nn.Module, bias: torch.Tensor | None = None) -> CachedStep:
     """The :data:`CachedStep` of a transformers causal LM (its own KV cache; only the last
     position is projected, ``logits_to_keep=1``); ``bias`` is added to the logits (a policy's
@@ -69,47 +61,6 @@ def transformers_step(model: torch.nn.Module, bias: torch.Tensor | None = None) 
         return (last if bias is None else last + bias.to(last.device)), out.past_key_values
 
     return step
-
-
-@torch.no_grad()
-def cached_decode(step: CachedStep, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                  *, seeds: Sequence[int], device: torch.device) -> list[Completion]:
-    """Sample up to ``params.max_new_tokens`` per prompt: one prefill of the left-padded
-    prompts, then one cached ``step`` per new token (module docstring)."""
-    b, steps = len(prompts), params.max_new_tokens
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(b, width, dtype=torch.long)
-    mask = torch.zeros(b, width, dtype=torch.long)
-    for i, p in enumerate(prompts):  # left padding: every row's next token is at the end
-        ids[i, width - len(p):] = torch.tensor(list(p))
-        mask[i, width - len(p):] = 1
-    ids, mask = ids.to(device), mask.to(device)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    u = draw_uniforms(seeds, steps)
-    stop = torch.tensor(list(params.stop_token_ids) or [-1])
-    out_tok = torch.zeros(b, steps, dtype=torch.long)
-    out_lp = torch.zeros(b, steps)
-    active = torch.ones(b, dtype=torch.bool)
-    n_new = torch.zeros(b, dtype=torch.long)
-    allowed, cache = None, None
-    for t in range(steps):
-        last, cache = step(ids, mask, positions, cache)
-        last = last.float().cpu()
-        if allowed is None:
-            allowed = allowed_mask(last.shape[-1], params.allowed_token_ids)
-        tok, lp = sample_from(restrict(last, allowed), params.temperature, u[:, t])
-        out_tok[active, t] = tok[active]
-        out_lp[active, t] = lp[active]
-        n_new += active.long()
-        active = active & ~torch.isin(tok, stop)
-        if not active.any():
-            break
-        ids = tok.unsqueeze(1).to(device)
-        positions = positions[:, -1:] + 1
-        mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=device)], dim=1)
-    counts = n_new.tolist()
-    return [Completion(out_tok[i, : counts[i]].tolist(), out_lp[i, : counts[i]].tolist())
-            for i in range(b)]
 
 
 class HFEngine:
@@ -141,5 +92,4 @@ class HFEngine:
         self.model = None
 
 
-__all__ = ["DTYPES", "CachedStep", "HFEngine", "cached_decode", "load_checkpoint_model",
-           "transformers_step"]
+__all__ = ["DTYPES", "HFEngine", "load_checkpoint_model", "transformers_step"]

@@ -1,7 +1,7 @@
 """``engine=native``: the recipes' own sampler over any token model.
 
 A model with a cached step is decoded with its KV cache: one prefill of the left-padded prompts,
-then one forward of the new tokens per step (:func:`~tq_plugin.rollout.engines.hf.cached_decode`).
+then one forward of the new tokens per step (:func:`~tq_plugin.rollout.engine.cached_decode`).
 That is a model with ``decode_step`` (:class:`~tq_plugin.rl.models.tiny.TinyTransformer`'s) or a
 policy wrapping a transformers causal LM (its ``backbone``, as ``model=hf_causal_lm``'s does,
 with the policy's output bias), unless it reads pixels or its weights are sharded (the wrapper's
@@ -22,16 +22,18 @@ import torch
 from torch import nn
 
 from tq_plugin.rollout.engine import (
+    CachedStep,
     Completion,
     NamedWeights,
     SamplingParams,
     allowed_mask,
+    cached_decode,
     copy_named,
     draw_uniforms,
     restrict,
     sample_from,
 )
-from tq_plugin.rollout.engines.hf import CachedStep, cached_decode, transformers_step
+from tq_plugin.rollout.engines.hf import transformers_step
 
 # Pads the token buffer; never read (causal attention, right padding).
 _PAD = 0
