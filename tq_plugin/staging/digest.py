@@ -253,8 +253,15 @@ def staging_digest_and_columns(
             f"{count}, token_mask_delta {len(mask)}, generation_log_probs_delta {len(logprobs)})"
         )
     _check_mask_and_carry(mask, logprobs)
-    inputs = locals()  # the keyword arguments (a dict copy): the other digest inputs by name
-    digest = _call_digest(inputs, (count, ids_raw, mask_raw, logprob_raw))
+    fields = {
+        "schema_version": schema_version, "digest_version": digest_version,
+        "extras_digest_version": extras_digest_version, "rollout_id": rollout_id,
+        "model_call_id": model_call_id, "parent_call_id": parent_call_id, "mode": mode,
+        "prev_len": prev_len, "delta_len": delta_len, "cum_len": cum_len,
+        "weight_version": weight_version, "extras_digest": extras_digest,
+        "chain_hash": chain_hash, "cumulative_hash": cumulative_hash,
+    }
+    digest = _call_digest(fields, (count, ids_raw, mask_raw, logprob_raw))
     return digest, ids_raw, mask_raw, logprob_raw
 
 
