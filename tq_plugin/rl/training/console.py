@@ -110,8 +110,8 @@ def _figure(metrics: dict[str, Any], key: str) -> float | None:
 
 class StepLines(Callback):
     """One line per RL step on rank 0 (reward, loss, KL, tokens/s, elapsed), at the step's last
-    microbatch, from the figures the module logged for it (``rl/*``: its ``logged_figures``,
-    else the trainer's ``callback_metrics``)."""
+    microbatch, from the figures the module logged for it (``rl/*`` in the trainer's
+    ``callback_metrics``)."""
 
     def __init__(self, num_steps: int) -> None:
         self.num_steps = num_steps
@@ -127,8 +127,7 @@ class StepLines(Callback):
         info = pl_module.dp_meta.extra_info.get(MICROBATCH_INFO, {})
         if not info.get("last_in_step") or not trainer.is_global_zero:
             return
-        figures = getattr(pl_module, "logged_figures", None) or trainer.callback_metrics
-        STEP_LOG.info(self.line(int(info["step"]), figures))
+        STEP_LOG.info(self.line(int(info["step"]), trainer.callback_metrics))
 
     def line(self, step: int, metrics: dict[str, Any]) -> str:
         """``RL step 3/5 | reward 0.093 | loss -0.0120 | kl 3.10e-04 | tok/s 14204 | 2.1 s``: the KL

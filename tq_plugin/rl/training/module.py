@@ -157,7 +157,6 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         self.loss_norm = 1.0  # recipe.loss_type's normaliser of one global batch (per rank)
         self.current_reward = 0.0  # the step's mean rollout reward, logged as rl/reward
         self._gb_stats: dict[str, float] = {}
-        self.logged_figures: dict[str, float] = {}  # the last optimizer step's rl/* figures
 
     # ------------------------------------------------------------------ model inputs
     def _inputs(self, td: Any, meta: KVBatchMeta) -> dict[str, Any]:
@@ -385,10 +384,9 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         logged |= {"rl/step": float(step), "rl/reward": float(self.current_reward)}
         # To every logger in one call, not through self.log: Lightning's result collection costs
         # a few hundred microseconds a key, ~20 keys an optimizer step (a sixth of a toy step).
-        # The console line reads them here; the progress bar gets the reward through self.log;
-        # callbacks that monitor a key (ModelCheckpoint, EarlyStopping) find every one in
+        # The progress bar gets the reward through self.log; the console line and callbacks that
+        # monitor a key (ModelCheckpoint, EarlyStopping) find every one in
         # trainer.callback_metrics, as self.log would have put it there.
-        self.logged_figures = logged
         self.trainer.callback_metrics.update({k: torch.tensor(v) for k, v in logged.items()})
         every = self.trainer.log_every_n_steps
         if self.trainer.is_global_zero and (not every or self.trainer.global_step % every == 0):
