@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from tq_plugin.config import PackingConfig, RecipeConfig
+from tq_plugin.config import ConfigError, PackingConfig, RecipeConfig
 from tq_plugin.data_plane import LocalDataPlane
 from tq_plugin.lightning.demo import SyntheticRollouts, partition_spec
 from tq_plugin.rl.models.tiny import TinyTransformer
@@ -85,6 +85,6 @@ def test_one_or_several_gpus_are_accepted_and_other_accelerators_refused_by_name
     for world in (1, 2):  # one process per GPU, each on its shard of the global batch
         ranks.check_parallel_run(stand_in_trainer("CUDAAccelerator", world), backend=backend,
                                  global_batch=4, save_artifacts=True)
-    with pytest.raises(ValueError, match="trainer.accelerator: .*got MPSAccelerator"):
+    with pytest.raises(ConfigError, match="trainer.accelerator: .*got MPSAccelerator"):
         ranks.check_parallel_run(stand_in_trainer("MPSAccelerator", 1), backend=backend,
                                  global_batch=4, save_artifacts=True)

@@ -11,7 +11,7 @@ import httpx
 
 from tq_plugin.data_plane import LocalDataPlane
 from tq_plugin.rollout.engine import Completion
-from tq_plugin.rollout.openai_server import AgentEndpoint
+from tq_plugin.rollout.openai.server import AgentEndpoint
 from tq_plugin.staging import (
     RolloutReassembler,
     StagedCallBaseSnapshot,

@@ -17,7 +17,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("transformers")
 
 from tq_plugin.data_plane import SAMPLE_MASK
-from tq_plugin.rollout.openai_server import AgentEndpoint
+from tq_plugin.rollout.openai.server import AgentEndpoint
 
 from .openai_harness import Recorder, Scripted, SinkWrapper, is_openai_error
 

@@ -52,9 +52,9 @@ from safetensors.torch import _TYPES as _SAFETENSORS_DTYPES
 from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
 
-from tq_plugin.data_plane.backends._columns import gather_rows
 from tq_plugin.data_plane.client import call_dp
 from tq_plugin.data_plane.jagged import nested_from_lengths
+from tq_plugin.data_plane.rows import gather_rows
 
 FORMAT = "tq_plugin.local_store"
 FORMAT_VERSION = 1

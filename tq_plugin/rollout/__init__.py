@@ -15,7 +15,7 @@ from tq_plugin.rollout.engine import (
     SamplingParams,
 )
 from tq_plugin.rollout.engines import ENGINES, build_engine
-from tq_plugin.rollout.openai_server import AgentEndpoint  # FastAPI is imported when it starts
+from tq_plugin.rollout.openai.server import AgentEndpoint  # FastAPI is imported when it starts
 from tq_plugin.rollout.worker import RolloutBatch, RolloutWorker
 
 __all__ = ["ENGINES", "AgentEndpoint", "Completion", "EngineError", "NamedWeights", "RolloutBatch",

@@ -20,6 +20,7 @@ from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 
 from tq_plugin import cli
+from tq_plugin.config import ConfigError
 from tq_plugin.rl.models import fsdp as sharding
 from tq_plugin.rl.recipe import RLRecipe
 
@@ -164,10 +165,10 @@ def test_sharded_gpus_are_accepted_and_lightnings_fsdp1_refused_by_key():
     mp = {"_tensor_parallel_size": 1, "_data_parallel_size": 4}
     ranks.check_parallel_run(_stand_in("ModelParallelStrategy", "CUDAAccelerator", 4, **mp),
                              backend=local, global_batch=8, save_artifacts=True)
-    with pytest.raises(ValueError, match="trainer.strategy=fsdp is Lightning's FSDP1"):
+    with pytest.raises(ConfigError, match="trainer.strategy=fsdp is Lightning's FSDP1"):
         ranks.check_parallel_run(_stand_in("FSDPStrategy", "CUDAAccelerator", 2), backend=local,
                                  global_batch=8, save_artifacts=True)
-    with pytest.raises(ValueError, match="trainer.strategy.data_parallel_size=2 must equal"):
+    with pytest.raises(ConfigError, match="trainer.strategy.data_parallel_size=2 must equal"):
         ranks.check_parallel_run(
             _stand_in("ModelParallelStrategy", "CUDAAccelerator", 4, _tensor_parallel_size=1,
                       _data_parallel_size=2), backend=local, global_batch=8, save_artifacts=True)

@@ -14,6 +14,7 @@ import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
+from tq_plugin.config import ConfigError
 from tq_plugin.rl.models.protocol import TokenScoring, score_tokens
 from tq_plugin.rl.models.tiny import TinyTransformer
 
@@ -103,5 +104,5 @@ def test_bf16_weights_give_float32_logprobs(kind):
 
 
 def test_an_unknown_dtype_names_the_key():
-    with pytest.raises(ValueError, match="model.dtype: must be one of"):
+    with pytest.raises(ConfigError, match="model.dtype: must be one of"):
         TinyTransformer(V, dtype="float8")

@@ -19,15 +19,12 @@ import mmap
 import os
 import threading
 import time
-from itertools import pairwise
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-# Above this many separate storage runs in one read, one vectorized index gather beats a
-# Python-level ``cat`` of per-run views.
-_MAX_RUNS_FOR_CAT = 64
+from tq_plugin.data_plane.rows import gather_rows, numpy_view
 
 
 class ColumnSpec(NamedTuple):
@@ -196,58 +193,6 @@ def _grown(buf: torch.Tensor, need: int) -> torch.Tensor:
     return out
 
 
-def _numpy_view(t: torch.Tensor) -> np.ndarray | None:
-    """A numpy view sharing ``t``'s memory, or None for dtypes numpy lacks (bfloat16)."""
-    try:
-        return t.numpy()
-    except TypeError:
-        return None
-
-
-def gather_rows(
-    values: torch.Tensor, starts: np.ndarray, lengths: np.ndarray, *, copy: bool = True
-) -> torch.Tensor:
-    """Concatenate ``values[starts[i] : starts[i] + lengths[i]]`` for every i.
-
-    Rows that sit back to back in storage (the usual case: a read in put order) are one run:
-    with ``copy=False`` that run comes back as a view of ``values`` (for append-only buffers,
-    whose written bytes never change), else as a copy. A few runs are copied as runs. Scattered rows (a shuffled data-parallel shard) are joined from per-row views:
-    numpy views when the dtype has one (~0.2 us a row, 3x faster than torch views), else one
-    torch ``split`` of the region they span. The Python work is per row, never per token, and
-    no per-token index tensor is built.
-    """
-    n = starts.shape[0]
-    total = int(lengths.sum()) if n else 0
-    if total == 0:
-        return values.new_empty((0, *values.shape[1:]))
-    ends = starts + lengths
-    breaks = np.flatnonzero(starts[1:] != ends[:-1]) + 1
-    if breaks.shape[0] < _MAX_RUNS_FOR_CAT:
-        if breaks.shape[0] == 0:
-            s = int(starts[0])
-            run = values[s : s + total]
-            return run.clone() if copy else run
-        bounds = [0, *breaks.tolist(), n]
-        return torch.cat(
-            [values[int(starts[a]) : int(ends[b - 1])] for a, b in pairwise(bounds)]
-        )
-    flat = _numpy_view(values)
-    if flat is not None:
-        rows = [flat[a:b] for a, b in zip(starts.tolist(), ends.tolist())]
-        return torch.from_numpy(np.concatenate(rows))
-    order = np.argsort(starts, kind="stable")
-    s_sorted, e_sorted = starts[order], ends[order]
-    gaps = np.empty_like(s_sorted)
-    gaps[0] = 0
-    gaps[1:] = s_sorted[1:] - e_sorted[:-1]
-    sizes = np.stack([gaps, lengths[order]], 1).ravel().tolist()
-    region = values[int(s_sorted[0]) : int(e_sorted[-1])]
-    rows_in_storage_order = region.split(sizes)[1::2]
-    rank = np.empty_like(order)
-    rank[order] = np.arange(n)
-    return torch.cat([rows_in_storage_order[i] for i in rank.tolist()])
-
-
 def _grow_array(arr: np.ndarray, capacity: int) -> np.ndarray:
     if capacity <= arr.shape[0]:
         return arr
@@ -310,7 +255,7 @@ class DenseColumn(_Presence):
         self.spec = spec
         self.data = _empty(spec)
         # One-row writes go through numpy (~0.5 us) instead of a torch index-assign (~3 us).
-        self._np = _numpy_view(self.data)
+        self._np = numpy_view(self.data)
         self.present = np.zeros(0, dtype=bool)
         self.live_rows = 0
         self.row_bytes = _numel(spec.shape) * self.data.element_size()
@@ -322,7 +267,7 @@ class DenseColumn(_Presence):
         data = _grown(self.data, need_slots)
         present = _grow_array(self.present, data.shape[0])
         old, self._np = self.data, None
-        self.data, self._np, self.present = data, _numpy_view(data), present
+        self.data, self._np, self.present = data, numpy_view(data), present
         POOL.give(old)
         return True
 
@@ -364,7 +309,7 @@ class DenseColumn(_Presence):
         self.live_rows = 0
         old, self._np = self.data, None
         self.data = _empty(self.spec)
-        self._np = _numpy_view(self.data)
+        self._np = numpy_view(self.data)
         self.present = np.zeros(0, dtype=bool)
         POOL.give(old)
 

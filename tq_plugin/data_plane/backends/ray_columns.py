@@ -24,10 +24,11 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch.nested._internal.nested_tensor import NestedTensor
 
-from tq_plugin.data_plane.backends._columns import ColumnSpec, gather_rows
+from tq_plugin.data_plane.backends._columns import ColumnSpec
 from tq_plugin.data_plane.backends._validate import check_storable
 from tq_plugin.data_plane.backends.ray_cluster import import_ray
 from tq_plugin.data_plane.client import FieldsLike
+from tq_plugin.data_plane.rows import gather_rows
 
 # Field blocks smaller than this stay in the actor's memory instead of the object store.
 INLINE_BYTES = 64 << 10

@@ -40,6 +40,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from tq_plugin.config import ConfigError
 from tq_plugin.lightning.layout import LAYOUTS, PackedIndex
 from tq_plugin.rl.models.logprobs import (
     DEFAULT_CHUNK_TOKENS,
@@ -153,9 +154,9 @@ def score_tokens(model: nn.Module, input_ids: torch.Tensor, scoring: TokenScorin
 
 
 def weight_dtype(dtype: str) -> torch.dtype:
-    """``model.dtype``'s torch dtype (the weights'; a ValueError naming the key otherwise)."""
+    """``model.dtype``'s torch dtype (the weights'; a ``ConfigError`` naming the key otherwise)."""
     if dtype not in WEIGHT_DTYPES:
-        raise ValueError(f"model.dtype: must be one of {list(WEIGHT_DTYPES)}, got {dtype!r}")
+        raise ConfigError(f"model.dtype: must be one of {list(WEIGHT_DTYPES)}, got {dtype!r}")
     return WEIGHT_DTYPES[dtype]
 
 

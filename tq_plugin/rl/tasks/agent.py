@@ -167,7 +167,7 @@ class AgentRunner:
         self.figures: dict[str, float] = {}
 
     def _serve(self, engine: Any, generator: torch.Generator) -> Any:
-        from tq_plugin.rollout.openai_server import AgentEndpoint
+        from tq_plugin.rollout.openai.server import AgentEndpoint
 
         if self.endpoint is None or self.endpoint.engine is not engine:
             self.close()

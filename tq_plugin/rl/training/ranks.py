@@ -35,6 +35,7 @@ import torch
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from tq_plugin.config import ConfigError
 from tq_plugin.data_plane import KVBatchMeta, call_dp
 from tq_plugin.data_plane.sharding import shard_meta_for_dp
 from tq_plugin.rl.training.metrics import IS_MAX_STATS, rl_metrics
@@ -58,22 +59,22 @@ def check_parallel_run(trainer: Any, *, backend: Any, global_batch: int,
     CUDA GPUs (``trainer.devices``), each rank training on its shard of the global batch."""
     strategy = type(trainer.strategy).__name__
     if strategy == "FSDPStrategy":
-        raise ValueError(f"trainer.strategy=fsdp is Lightning's FSDP1 wrapper: the recipes shard "
-                         f"their models with FSDP2, use {SHARDED_PRESETS}")
+        raise ConfigError(f"trainer.strategy=fsdp is Lightning's FSDP1 wrapper: the recipes shard "
+                          f"their models with FSDP2, use {SHARDED_PRESETS}")
     if strategy not in PARALLEL_STRATEGIES:
-        raise ValueError(f"trainer.strategy: the recipes run on one device, data-parallel "
-                         f"(auto, ddp, ddp_spawn) or sharded ({SHARDED_PRESETS}); got {strategy}")
+        raise ConfigError(f"trainer.strategy: the recipes run on one device, data-parallel "
+                          f"(auto, ddp, ddp_spawn) or sharded ({SHARDED_PRESETS}); got {strategy}")
     accelerator = type(trainer.accelerator).__name__
     world = trainer.world_size
     if accelerator not in ("CPUAccelerator", "CUDAAccelerator"):
-        raise ValueError(f"trainer.accelerator: the recipes run on the CPU or CUDA GPUs "
-                         f"(trainer=cpu, gpu, ddp_cpu, fsdp_cpu, fsdp); got {accelerator}")
+        raise ConfigError(f"trainer.accelerator: the recipes run on the CPU or CUDA GPUs "
+                          f"(trainer=cpu, gpu, ddp_cpu, fsdp_cpu, fsdp); got {accelerator}")
     if strategy == "ModelParallelStrategy":
         check_sharded_run(trainer.strategy, world=world, backend=backend, topology=topology)
     if world == 1:
         return
     if global_batch % world:
-        raise ValueError(
+        raise ConfigError(
             f"recipe.prompts_per_step * recipe.group_size / recipe.minibatches = {global_batch} "
             f"rows per global batch must divide evenly over {world} DDP ranks")
     from tq_plugin.data_plane import LocalDataPlane
@@ -81,15 +82,15 @@ def check_parallel_run(trainer: Any, *, backend: Any, global_batch: int,
     backend_cls = get_class(backend._target_)
     if not (issubclass(backend_cls, LocalDataPlane) or rank_shared_store(backend)
             or (shares_rows(backend_cls) and hasattr(backend_cls, "start_cluster"))):
-        raise ValueError(
+        raise ConfigError(
             f"tq.backend={backend_cls.__name__} with {world} DDP ranks: every rank must attach to "
             "one store, but the config names no cluster and the backend cannot start one for the "
             "ranks (no start_cluster). Attach them to a running cluster (tq.backend.address="
             "<host:port>), use tq/backend=local, ray or transferqueue, or run one process")
     if not save_artifacts and strategy == "DDPStrategy" and trainer.strategy.launcher is not None \
             and type(trainer.strategy.launcher).__name__ == "_MultiProcessingLauncher":
-        raise ValueError("recipe.save_artifacts=false with trainer.strategy=ddp_spawn: the "
-                         "run's summary only reaches the launching process through result.json")
+        raise ConfigError("recipe.save_artifacts=false with trainer.strategy=ddp_spawn: the "
+                          "run's summary only reaches the launching process through result.json")
 
 
 def is_sharded_run(trainer: Any) -> bool:
@@ -108,23 +109,23 @@ def check_sharded_run(strategy: Any, *, world: int, backend: Any, topology: str)
     weights' gathers (``tq_plugin.rl.topology.disaggregated``)."""
     tp = getattr(strategy, "_tensor_parallel_size", 1)
     if tp not in (1, "auto") or (tp == "auto" and world > 1):
-        raise ValueError(f"trainer.strategy.tensor_parallel_size={tp}: the recipes shard with "
-                         f"FSDP2 only; set it to 1")
+        raise ConfigError(f"trainer.strategy.tensor_parallel_size={tp}: the recipes shard with "
+                          f"FSDP2 only; set it to 1")
     dp = getattr(strategy, "_data_parallel_size", world)
     if dp not in ("auto", world):
-        raise ValueError(f"trainer.strategy.data_parallel_size={dp} must equal the number of "
-                         f"ranks ({world}: trainer.devices x trainer.num_nodes)")
+        raise ConfigError(f"trainer.strategy.data_parallel_size={dp} must equal the number of "
+                          f"ranks ({world}: trainer.devices x trainer.num_nodes)")
     if world == 1:
         return
     if topology == "disaggregated":
         return
     replayed = issubclass(get_class(backend._target_), _local_store())
     if not replayed:
-        raise ValueError(f"tq.backend={backend._target_.rsplit('.', 1)[-1]} with a sharded "
-                         f"trainer ({SHARDED_PRESETS}): rank 0 would generate each step alone, "
-                         f"but FSDP's forwards need every rank; use tq/backend=local (every rank "
-                         f"replays the step), recipe.topology=disaggregated (workers generate) "
-                         f"or trainer=ddp_cpu")
+        raise ConfigError(f"tq.backend={backend._target_.rsplit('.', 1)[-1]} with a sharded "
+                          f"trainer ({SHARDED_PRESETS}): rank 0 would generate each step alone, "
+                          f"but FSDP's forwards need every rank; use tq/backend=local (every rank "
+                          f"replays the step), recipe.topology=disaggregated (workers generate) "
+                          f"or trainer=ddp_cpu")
 
 
 def _local_store() -> type:

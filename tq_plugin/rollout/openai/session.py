@@ -3,7 +3,7 @@
 A rollout is a tree of staged calls (NeMo Gym's lineage: a ``text`` root, ``token_in``
 children whose prefix is their parent's staging chain). Each staged call remembers the
 conversation *state* it leaves behind: for a chat call the request's messages plus the reply
-as it was sent (canonicalized, :func:`~tq_plugin.rollout.openai_protocol.canonical_message`),
+as it was sent (canonicalized, :func:`~tq_plugin.rollout.openai.protocol.canonical_message`),
 for a text completion the prompt plus the completion text; a token-id prompt extends any
 call whose full token sequence it starts with.
 A new request attaches to the staged call with the longest state its own messages / prompt
@@ -19,7 +19,7 @@ extend:
 header ``X-TQ-Branch``). The receipt names the head as terminal by default, so the reassembler
 trains on the head's ancestry; the other branches stay in the manifest and are verified.
 
-Requests are identified by :func:`~tq_plugin.rollout.openai_protocol.fingerprint` (or an
+Requests are identified by :func:`~tq_plugin.rollout.openai.protocol.fingerprint` (or an
 ``Idempotency-Key``): a retry of a request already answered gets the same answer, and one
 still in flight is joined, so a call is never staged twice. Everything here runs on the
 server's event loop.

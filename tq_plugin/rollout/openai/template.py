@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tq_plugin.rollout.openai_protocol import OpenAIError, bad_request
+from tq_plugin.rollout.openai.protocol import OpenAIError, bad_request
 
 
 class SpliceError(ValueError):

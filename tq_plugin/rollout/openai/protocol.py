@@ -1,6 +1,6 @@
 """The OpenAI wire format the agent endpoint speaks: request parsing, errors, messages, tool calls.
 
-Pure functions and pydantic models, no server: :mod:`tq_plugin.rollout.openai_server` drives
+Pure functions and pydantic models, no server: :mod:`tq_plugin.rollout.openai.server` drives
 them. What a request may ask for is what the engine can serve on-policy: sampling knobs the
 trainer does not recompute (``top_p``, ``top_k``, penalties, ``logit_bias``), more than one
 choice, streaming or top-k logprobs are refused with a 400 naming the field, never ignored.

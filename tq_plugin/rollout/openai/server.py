@@ -31,9 +31,9 @@ A request names its rollout by the ``X-Rollout-Id`` header, ``rollout_id`` in th
 ``open_rollout`` first (``auto_open=True`` opens unknown ids on their first call). Its first
 call is staged as a ``text`` root; a call whose messages extend a staged call's conversation
 is a ``token_in`` child whose prefix is that call's staging chain (read back from staging)
-followed by the newly templated messages (:mod:`tq_plugin.rollout.openai_template`); an
+followed by the newly templated messages (:mod:`tq_plugin.rollout.openai.template`); an
 edited history forks or starts a new root, and the response says so
-(:mod:`tq_plugin.rollout.openai_session`). The engine's sampled ids and logprobs and the
+(:mod:`tq_plugin.rollout.openai.session`). The engine's sampled ids and logprobs and the
 ``weight_version`` it served with are staged before the response is sent; a call that does
 not stage is answered with an error (500, ``staging_failed``) and poisons its rollout (its
 receipt is ``capture_poisoned``: a placeholder row, never a silent gap). A retried request
@@ -61,10 +61,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from tq_plugin.rollout.engine import RolloutEngine
-from tq_plugin.rollout.openai_batcher import EngineBatcher
-from tq_plugin.rollout.openai_calls import CallSpec, chat_spec, completion_spec
-from tq_plugin.rollout.openai_pipeline import CallPipeline, CallTiming
-from tq_plugin.rollout.openai_protocol import (
+from tq_plugin.rollout.openai.batcher import EngineBatcher
+from tq_plugin.rollout.openai.calls import CallSpec, chat_spec, completion_spec
+from tq_plugin.rollout.openai.pipeline import CallPipeline, CallTiming
+from tq_plugin.rollout.openai.protocol import (
     ROLLOUT_ID,
     TOOL_PARSERS,
     ChatRequest,
@@ -73,8 +73,8 @@ from tq_plugin.rollout.openai_protocol import (
     bad_request,
     parse,
 )
-from tq_plugin.rollout.openai_session import Rollout
-from tq_plugin.rollout.openai_template import PromptBuilder
+from tq_plugin.rollout.openai.session import Rollout
+from tq_plugin.rollout.openai.template import PromptBuilder
 from tq_plugin.staging import ChainPrefixCache, RolloutReceipt, TQTokenSource
 
 log = logging.getLogger(__name__)
@@ -177,7 +177,7 @@ class AgentEndpoint(CallPipeline):
             return self.base_url
         import uvicorn
 
-        from tq_plugin.rollout.openai_app import build_app
+        from tq_plugin.rollout.openai.app import build_app
 
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)

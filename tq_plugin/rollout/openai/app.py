@@ -1,4 +1,4 @@
-"""The FastAPI app of :class:`~tq_plugin.rollout.openai_server.AgentEndpoint`: routes, body
+"""The FastAPI app of :class:`~tq_plugin.rollout.openai.server.AgentEndpoint`: routes, body
 limits, rollout ids, retries joining their first attempt, disconnects, OpenAI-style errors.
 
 FastAPI is imported only here (the ``serve`` extra), when an endpoint starts.
@@ -16,8 +16,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from tq_plugin.rollout.openai_protocol import OpenAIError, bad_request, fingerprint, json_loads
-from tq_plugin.rollout.openai_session import Answer, Entry
+from tq_plugin.rollout.openai.protocol import OpenAIError, bad_request, fingerprint, json_loads
+from tq_plugin.rollout.openai.session import Answer, Entry
 
 log = logging.getLogger(__name__)
 ROLLOUT_HEADER = "x-rollout-id"

@@ -1,14 +1,14 @@
-"""The call pipeline of :class:`~tq_plugin.rollout.openai_server.AgentEndpoint`: where a call
+"""The call pipeline of :class:`~tq_plugin.rollout.openai.server.AgentEndpoint`: where a call
 attaches in its rollout, the exact prompt, the engine call, the stage, the answer.
 
 One task runs each distinct request (:meth:`CallPipeline.run_call`); every client waiting on it
 (the first attempt and any retry that joined) gets its
-:class:`~tq_plugin.rollout.openai_session.Answer`:
+:class:`~tq_plugin.rollout.openai.session.Answer`:
 
 1. plan: the staged call the request extends (if any), its staging chain read back from the
    store (a chain that reads back different from what was staged poisons the rollout), and the
-   templated tail (:mod:`tq_plugin.rollout.openai_template`); the context length is checked;
-2. the engine call, batched with other requests (:mod:`tq_plugin.rollout.openai_batcher`); an
+   templated tail (:mod:`tq_plugin.rollout.openai.template`); the context length is checked;
+2. the engine call, batched with other requests (:mod:`tq_plugin.rollout.openai.batcher`); an
    engine failure is a retryable 503 and stages nothing;
 3. if every client left meanwhile (or the rollout was closed), the call is dropped here: the
    last point where nothing has been written;
@@ -26,14 +26,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from tq_plugin.rollout.engine import SamplingParams
-from tq_plugin.rollout.openai_calls import (
+from tq_plugin.rollout.openai.calls import (
     CallSpec,
     chat_body,
     completion_body,
     finish,
     staging_block,
 )
-from tq_plugin.rollout.openai_protocol import (
+from tq_plugin.rollout.openai.protocol import (
     OpenAIError,
     TokenizeRequest,
     bad_request,
@@ -42,8 +42,8 @@ from tq_plugin.rollout.openai_protocol import (
     parse,
     template_messages,
 )
-from tq_plugin.rollout.openai_session import Answer, Entry, Rollout, StagedCall
-from tq_plugin.rollout.openai_template import SpliceError
+from tq_plugin.rollout.openai.session import Answer, Entry, Rollout, StagedCall
+from tq_plugin.rollout.openai.template import SpliceError
 from tq_plugin.staging import CaptureAdmission, make_staged_call_record
 
 log = logging.getLogger(__name__)

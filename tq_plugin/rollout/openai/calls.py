@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tq_plugin.rollout.engine import SamplingParams
-from tq_plugin.rollout.openai_protocol import (
+from tq_plugin.rollout.openai.protocol import (
     ChatRequest,
     CompletionRequest,
     bad_request,
@@ -29,7 +29,7 @@ from tq_plugin.rollout.openai_protocol import (
     stop_strings,
     template_messages,
 )
-from tq_plugin.rollout.openai_template import PromptBuilder
+from tq_plugin.rollout.openai.template import PromptBuilder
 
 
 @dataclass
