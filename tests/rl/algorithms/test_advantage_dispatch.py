@@ -1,4 +1,5 @@
-"""``compute_advantages``: the one dispatch both step sources call, by the algorithm's name."""
+"""``compute_advantages``: the one dispatch both step sources call, by the estimator's registered
+name (``ppo`` is ``gae``, the name the dispatch had before the registry)."""
 
 from __future__ import annotations
 
@@ -29,9 +30,18 @@ def test_ppo_is_gae_over_turn_end_rewards_then_whitened():
     torch.testing.assert_close(adv, torch.zeros(1, 4))
 
 
-def test_ppo_needs_values_and_an_unknown_algorithm_is_named():
+def test_gae_is_ppos_estimator_by_either_name():
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0]])
+    kw = {"mask": mask, "total_reward": torch.tensor([1.0]), "turn_rewards": torch.tensor([[0.5]]),
+          "values": torch.tensor([[0.1, 0.4, 0.0, -0.2]]), "gamma": 0.9, "lam": 0.8}
+    for a, b in zip(compute_advantages("ppo", **kw), compute_advantages("gae", **kw)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_gae_needs_values_and_an_unknown_estimator_is_named():
     mask = torch.ones(1, 2)
-    with pytest.raises(ValueError, match="ppo needs turn_rewards and values"):
+    with pytest.raises(ValueError, match="gae needs turn_rewards and values"):
         compute_advantages("ppo", mask=mask, total_reward=torch.ones(1))
-    with pytest.raises(ValueError, match="algorithm must be ppo or grpo, got 'reinforce'"):
+    with pytest.raises(ValueError, match=r"estimator must be one of \['gae', 'grpo'.*"
+                                         r"got 'reinforce'"):
         compute_advantages("reinforce", mask=mask, total_reward=torch.ones(1))

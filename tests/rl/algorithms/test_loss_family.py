@@ -142,7 +142,7 @@ def test_cispo_weights_the_reinforce_term_by_the_capped_detached_ratio():
 
 
 def test_every_loss_type_is_registered():
-    assert set(POLICY_LOSSES) == {"grpo", "dr_grpo", "dapo", "bnpo", "cispo"}
+    assert {"grpo", "dr_grpo", "dapo", "bnpo", "cispo"} <= set(POLICY_LOSSES)
     with pytest.raises(ValueError, match="loss_type must be one of"):
         policy_loss("ppo2", LP, LP, ADV, MASK, clip_eps=0.2)
 
@@ -236,8 +236,8 @@ def _module_loss(loss_type: str, norm: float, **recipe) -> float:
         SAMPLE_MASK,
         TOKEN_MASK,
     )
+    from tq_plugin.data_plane import REFERENCE_POLICY_LOGPROBS as REF_LOGPROBS
     from tq_plugin.rl.training.module import RLModule
-    from tq_plugin.rl.training.step_record import REF_LOGPROBS
 
     rc = RecipeConfig(algorithm="grpo", loss_type=loss_type, **recipe)
     m = RLModule(policy=_Uniform(), value=None, recipe=rc, packing=PackingConfig())

@@ -3,6 +3,10 @@
 Actions are the generated tokens (``token_mask == 1``); prompt and environment tokens in between
 are not steps of the MDP. Both estimators therefore work on each row's *action sequence*: the
 action positions are gathered into a dense ``[B, A]`` block, computed on, and scattered back.
+
+The estimators a step may use are registered by name
+(:func:`~tq_plugin.rl.algorithms.registry.register_advantage_estimator`, whose docstring states
+their contract): ``gae`` (PPO's) and ``grpo``; :func:`compute_advantages` looks the name up.
 """
 
 from __future__ import annotations
@@ -10,6 +14,12 @@ from __future__ import annotations
 import math
 
 import torch
+
+from tq_plugin.rl.algorithms.registry import (
+    ADVANTAGE_ESTIMATORS,
+    ESTIMATOR_ALIASES,
+    register_advantage_estimator,
+)
 
 
 def _action_index(token_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,24 +135,44 @@ def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-6) -> torch
     return torch.where(m, (values - sel.mean()) / (sel.std(unbiased=False) + eps), values)
 
 
-def compute_advantages(algorithm: str, *, mask: torch.Tensor, total_reward: torch.Tensor,
+@register_advantage_estimator("gae")
+def gae_advantages(*, mask: torch.Tensor, turn_rewards: torch.Tensor | None = None,
+                   values: torch.Tensor | None = None, gamma: float = 1.0, lam: float = 1.0,
+                   **_: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's: per-turn rewards (``turn_rewards [B, turns]``) at each turn's last action token,
+    GAE over the value model's ``values``, whitened advantages, with the returns."""
+    if turn_rewards is None or values is None:
+        raise ValueError("compute_advantages: gae needs turn_rewards and values (the value "
+                         "model's: recipe.algorithm=ppo)")
+    adv, returns = gae(turn_end_rewards(mask, turn_rewards), values, mask, gamma=gamma, lam=lam)
+    return whiten(adv, mask), returns
+
+
+@register_advantage_estimator("grpo")
+def grpo_advantages(*, mask: torch.Tensor, total_reward: torch.Tensor, group_size: int = 1,
+                    scale_rewards: str = "group", **_: object) -> tuple[torch.Tensor, None]:
+    """GRPO's: each row's ``total_reward [B]`` against its group's (:func:`group_relative`,
+    scaled by ``scale_rewards``) on every action token; no returns."""
+    adv = group_relative(total_reward, group_size, scale=scale_rewards)
+    return adv.unsqueeze(1) * mask, None
+
+
+def compute_advantages(estimator: str, *, mask: torch.Tensor, total_reward: torch.Tensor,
                        turn_rewards: torch.Tensor | None = None,
                        values: torch.Tensor | None = None, group_size: int = 1,
                        gamma: float = 1.0, lam: float = 1.0, scale_rewards: str = "group",
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(advantages, returns)`` of a step: the one dispatch both step sources use.
 
-    ``mask`` is the ``[B, S]`` action mask (token mask times sample mask). ``ppo``: per-turn
-    rewards (``turn_rewards [B, turns]``) at each turn's last action token, GAE over the value
-    model's ``values`` and whitened advantages, with the returns. ``grpo``: each row's
-    ``total_reward [B]`` against its group's (:func:`group_relative`, scaled by
-    ``scale_rewards``) on every action token, no returns."""
-    if algorithm == "ppo":
-        if turn_rewards is None or values is None:
-            raise ValueError("compute_advantages: ppo needs turn_rewards and values")
-        adv, returns = gae(turn_end_rewards(mask, turn_rewards), values, mask, gamma=gamma, lam=lam)
-        return whiten(adv, mask), returns
-    if algorithm == "grpo":
-        adv = group_relative(total_reward, group_size, scale=scale_rewards)
-        return adv.unsqueeze(1) * mask, None
-    raise ValueError(f"compute_advantages: algorithm must be ppo or grpo, got {algorithm!r}")
+    ``estimator`` is a registered name (``gae``, ``grpo``, a user's; ``ppo`` is ``gae``);
+    ``mask`` is the ``[B, S]`` action mask (token mask times sample mask). The arguments are
+    passed on by keyword, as :func:`~tq_plugin.rl.algorithms.registry.register_advantage_estimator`
+    states."""
+    name = ESTIMATOR_ALIASES.get(estimator, estimator)
+    try:
+        fn = ADVANTAGE_ESTIMATORS[name]
+    except KeyError:
+        raise ValueError(f"compute_advantages: estimator must be one of "
+                         f"{sorted(ADVANTAGE_ESTIMATORS)}, got {estimator!r}") from None
+    return fn(mask=mask, total_reward=total_reward, turn_rewards=turn_rewards, values=values,
+              group_size=group_size, gamma=gamma, lam=lam, scale_rewards=scale_rewards)

@@ -14,15 +14,20 @@ sequence's tokens), ``A`` the advantage and ``w`` the importance-sampling correc
   importance weight, stop-gradient, times the REINFORCE term; ``cap`` is
   ``recipe.cispo_cap``, an absolute cap on ``r``).
 
-They differ in what the token terms are summed over and divided by (:func:`aggregate_loss`;
-:func:`loss_normalizer` computes each type's global normaliser when a step is prepared, so the
+They differ in what the token terms are summed over and divided by: each loss is registered
+with its aggregation (:func:`~tq_plugin.rl.algorithms.registry.register_policy_loss`, verl's
+``loss_agg_mode``), and :func:`aggregate_loss` and :func:`loss_normalizer` switch on it, not on
+the name (:func:`loss_normalizer` computes the global normaliser when a step is prepared, so the
 update does not depend on how the rows were cut into microbatches):
 
-* ``grpo``: each sequence's token mean, then the mean over the global batch's sequences;
-* ``dr_grpo``: the token sum over (global batch sequences x max completion tokens);
-* ``dapo``, ``cispo``: the token sum over the global batch's action tokens;
-* ``bnpo``: each microbatch's token mean, over the microbatches of its global batch (TRL's
-  local-batch normalisation: it depends on the microbatch cut, as TRL's on the device batch).
+* ``seq_mean_token_mean`` (``grpo``): each sequence's token mean, then the mean over the global
+  batch's sequences;
+* ``seq_mean_token_sum_norm`` (``dr_grpo``): the token sum over (global batch sequences x max
+  completion tokens);
+* ``token_mean`` (``dapo``, ``cispo``): the token sum over the global batch's action tokens;
+* ``microbatch_token_mean`` (``bnpo``): each microbatch's token mean, over the microbatches of
+  its global batch (TRL's local-batch normalisation: it depends on the microbatch cut, as TRL's
+  on the device batch).
 
 ``recipe.beta > 0`` adds ``beta * KL`` per token (:func:`kl_penalty`, ``k1``/``k2``/``k3``
 against the frozen reference policy) before the aggregation, as TRL does. PPO adds ``vf_coef``
@@ -36,28 +41,19 @@ them over the action tokens and divides by the step's normalizer.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo")
+from tq_plugin.rl.algorithms.registry import (
+    AGGREGATIONS,
+    POLICY_LOSSES,
+    loss_aggregation,
+    register_policy_loss,
+)
+
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 KL_ESTIMATORS = ("k1", "k2", "k3")
-
-PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
-POLICY_LOSSES: dict[str, PolicyLoss] = {}
-
-
-def register_policy_loss(*names: str) -> Callable[[PolicyLoss], PolicyLoss]:
-    """Register a per-token policy loss under ``names`` (``recipe.loss_type`` values), as verl's
-    ``register_policy_loss``: ``fn(logprobs, old_logprobs, advantages, mask, **options) ->
-    (loss, parts)``."""
-    def register(fn: PolicyLoss) -> PolicyLoss:
-        for name in names:
-            POLICY_LOSSES[name] = fn
-        return fn
-    return register
 
 
 def _row_sequence_ids(mask: torch.Tensor, sequence_ids: torch.Tensor | None) -> torch.Tensor:
@@ -98,7 +94,10 @@ def importance_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mas
     return torch.where(on, seq, torch.zeros_like(diff))
 
 
-@register_policy_loss("grpo", "dr_grpo", "dapo", "bnpo")
+@register_policy_loss("grpo", aggregation="seq_mean_token_mean")
+@register_policy_loss("dr_grpo", aggregation="seq_mean_token_sum_norm")
+@register_policy_loss("dapo", aggregation="token_mean")
+@register_policy_loss("bnpo", aggregation="microbatch_token_mean")
 def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor,
                         advantages: torch.Tensor, mask: torch.Tensor, *, clip_eps: float,
                         clip_eps_high: float | None = None, weights: torch.Tensor | None = None,
@@ -126,7 +125,7 @@ def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor,
                   "clip_low": clip_low, "clip_high": clip_high}
 
 
-@register_policy_loss("cispo")
+@register_policy_loss("cispo", aggregation="token_mean")
 def cispo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor,
                       advantages: torch.Tensor, mask: torch.Tensor, *, cispo_cap: float,
                       weights: torch.Tensor | None = None, level: str = "token",
@@ -157,51 +156,53 @@ def policy_loss(loss_type: str, logprobs: torch.Tensor, old_logprobs: torch.Tens
                 advantages: torch.Tensor, mask: torch.Tensor,
                 **options: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The per-token terms of ``loss_type`` (:data:`POLICY_LOSSES`)."""
-    try:
-        fn = POLICY_LOSSES[loss_type]
-    except KeyError:
-        raise ValueError(f"policy_loss: loss_type must be one of {sorted(POLICY_LOSSES)}, got "
-                         f"{loss_type!r}") from None
-    return fn(logprobs, old_logprobs, advantages, mask, **options)
+    loss_aggregation(loss_type)  # the one error for an unknown name
+    return POLICY_LOSSES[loss_type].fn(logprobs, old_logprobs, advantages, mask, **options)
 
 
 def loss_normalizer(loss_type: str, *, action_tokens: int, sequences: int, minibatches: int,
                     max_completion_tokens: int) -> float:
-    """One global batch's normaliser of ``loss_type`` from the step's totals (every rank's rows):
-    ``grpo``: its sequences; ``dr_grpo``: its sequences x ``max_completion_tokens`` (Dr. GRPO's
-    constant); ``dapo``, ``cispo``: its action tokens; ``bnpo``: its action tokens too (not used:
-    its normaliser is each microbatch's own, :func:`aggregate_loss`)."""
+    """One global batch's normaliser of ``loss_type`` from the step's totals (every rank's rows),
+    by the aggregation the loss was registered with: ``seq_mean_token_mean``: its sequences;
+    ``seq_mean_token_sum_norm``: its sequences x ``max_completion_tokens`` (Dr. GRPO's
+    constant); ``token_mean``: its action tokens; ``microbatch_token_mean``: its action tokens
+    too (not used: its normaliser is each microbatch's own, :func:`aggregate_loss`)."""
+    aggregation = loss_aggregation(loss_type)
     if minibatches < 1:
         raise ValueError(f"loss_normalizer: minibatches must be >= 1, got {minibatches}")
     per_batch_sequences = sequences / minibatches
-    if loss_type == "grpo":
+    if aggregation == "seq_mean_token_mean":
         return max(1.0, per_batch_sequences)
-    if loss_type == "dr_grpo":
+    if aggregation == "seq_mean_token_sum_norm":
         if max_completion_tokens < 1:
             raise ValueError(f"loss_normalizer: max_completion_tokens must be >= 1, got "
                              f"{max_completion_tokens}")
         return max(1.0, per_batch_sequences * max_completion_tokens)
-    if loss_type in ("dapo", "cispo", "bnpo"):
+    if aggregation in ("token_mean", "microbatch_token_mean"):
         return float(max(1, action_tokens // minibatches))
-    raise ValueError(f"loss_normalizer: loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    raise ValueError(f"loss_normalizer: aggregation must be one of {AGGREGATIONS}, got "
+                     f"{aggregation!r}")
 
 
 def aggregate_loss(loss_type: str, terms: torch.Tensor, mask: torch.Tensor, *, norm: float,
                    microbatches: int = 1, sequence_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """One microbatch's share of its global batch's loss from per-token ``terms``.
+    """One microbatch's share of its global batch's loss from per-token ``terms``, by the
+    aggregation ``loss_type`` was registered with.
 
     ``norm``: :func:`loss_normalizer`'s value (per rank); ``microbatches``: how many microbatches
-    the global batch has (``bnpo``). Summed over a global batch's microbatches this is the
-    type's loss of the whole global batch."""
+    the global batch has (``microbatch_token_mean``). Summed over a global batch's microbatches
+    this is the type's loss of the whole global batch."""
+    aggregation = loss_aggregation(loss_type)
     m = (mask > 0).to(terms.dtype)
-    if loss_type == "grpo":
+    if aggregation == "seq_mean_token_mean":
         counts = sequence_token_counts(mask, sequence_ids).clamp(min=1.0)
         return (terms * m / counts).sum() / norm
-    if loss_type == "bnpo":
+    if aggregation == "microbatch_token_mean":
         return (terms * m).sum() / m.sum().clamp(min=1.0) / max(1, microbatches)
-    if loss_type in ("dr_grpo", "dapo", "cispo"):
+    if aggregation in ("seq_mean_token_sum_norm", "token_mean"):
         return (terms * m).sum() / norm
-    raise ValueError(f"aggregate_loss: loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    raise ValueError(f"aggregate_loss: aggregation must be one of {AGGREGATIONS}, got "
+                     f"{aggregation!r}")
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
@@ -326,7 +327,7 @@ def is_correction_weights(prev_logprobs: torch.Tensor, generation_logprobs: torc
     return torch.where(masked, torch.zeros_like(weights), torch.where(on, weights, ones)), masked
 
 
-__all__ = ["IMPORTANCE_SAMPLING_LEVELS", "KL_ESTIMATORS", "LOSS_TYPES", "POLICY_LOSSES",
+__all__ = ["IMPORTANCE_SAMPLING_LEVELS", "KL_ESTIMATORS", "POLICY_LOSSES",
            "aggregate_loss", "approx_kl", "cispo_policy_loss", "clipped_policy_loss",
            "clipped_value_loss", "importance_log_ratio", "is_correction_weights", "kl_penalty",
            "loss_normalizer", "policy_loss", "policy_objective", "register_policy_loss",
