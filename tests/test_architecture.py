@@ -224,3 +224,51 @@ def test_rl_is_rooms_with_tests_of_the_same_name():
     assert {f"tq_plugin.rl.{r}" for r in rooms} <= set(RL_ROOMS), rooms
     missing = [r for r in rooms if not list((ROOT / "tests" / "rl" / r).glob("test_*.py"))]
     assert not missing, f"rooms without tests/rl/<room>/test_*.py: {missing}"
+
+
+# A topology's name compared anywhere but in its own room (or the config schema, which only
+# lists the names) is a branch the step source interface should have answered.
+TOPOLOGY_NAMES = {"colocated", "disaggregated"}
+TOPOLOGY_ROOM = PKG / "rl" / "topology"
+
+
+def _topology_branches(tree: ast.AST) -> list[int]:
+    """Lines of comparisons that involve a topology name (``"disaggregated"``) or anything
+    called ``topology`` (``rc.topology == ...``, ``cfg["topology"] != ...``), and of
+    ``isinstance`` checks against a step source class (``Colocated``, ``Disaggregated``)."""
+    def names_topology(node: ast.AST) -> bool:
+        return ((isinstance(node, ast.Constant) and node.value in TOPOLOGY_NAMES)
+                or (isinstance(node, ast.Attribute) and node.attr == "topology")
+                or (isinstance(node, ast.Name) and node.id == "topology")
+                or (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant)
+                    and node.slice.value == "topology"))
+
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and any(
+                names_topology(n) for n in [node.left, *node.comparators]) or (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id == "isinstance" and len(node.args) == 2
+              and any(isinstance(n, ast.Name) and n.id in {"Colocated", "Disaggregated"}
+                      for n in ast.walk(node.args[1]))):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_no_topology_branch_outside_the_topology_room():
+    """The recipe, the module and everything else ask the step source (``recipe.topology``'s,
+    built once at setup: ``tq_plugin.rl.topology.source``), never which topology runs."""
+    found = []
+    for path in PKG.rglob("*.py"):
+        if TOPOLOGY_ROOM in path.parents:
+            continue
+        for line in _topology_branches(ast.parse(path.read_text())):
+            found.append(f"{path.relative_to(ROOT)}:{line}")
+    assert not found, "topology branches outside tq_plugin/rl/topology/:\n" + "\n".join(found)
+
+
+def test_the_topology_branch_finder_finds_one():
+    src = ('if rc.topology == "disaggregated": pass\n'
+           'x = cfg["topology"] != "colocated"\n'
+           'y = isinstance(source, Colocated)\n'
+           'z = name == "disaggregated"\n')
+    assert _topology_branches(ast.parse(src)) == [1, 2, 3, 4]

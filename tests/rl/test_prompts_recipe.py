@@ -115,14 +115,14 @@ def test_the_dataset_cursor_resumes_from_the_checkpoint(monkeypatch, tmp_path, t
 
     drawn.clear()
     stopped = _recipe(tmp_path / "stopped", task)
-    hook = stopped.module.step_hook
+    hook = stopped.step_hooks.after_microbatch
 
-    def stop_in_step_two(meta, stats):
+    def stop_in_step_two(trainer, meta, stats):
         if meta.extra_info[MICROBATCH_INFO]["step"] == 2:
             stopped.sigterm.stop = True  # what SIGTERM leads to: a checkpoint, then exit 143
-        hook(meta, stats)
+        hook(trainer, meta, stats)
 
-    stopped.module.step_hook = stop_in_step_two
+    stopped.step_hooks.after_microbatch = stop_in_step_two
     with pytest.raises(SystemExit):
         stopped.train()
     ckpt = tmp_path / "stopped" / "checkpoints" / "sigterm.ckpt"

@@ -9,7 +9,6 @@ import csv
 import json
 import math
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,63 +17,63 @@ from hydra.core.global_hydra import GlobalHydra
 from tq_plugin import cli
 from tq_plugin.config import RecipeConfig
 from tq_plugin.data_plane import KVBatchMeta
-from tq_plugin.rl.topology.colocated import Colocated, Draw
+from tq_plugin.rl.training.pipeline import Draw, DrawLoop, RowIO
 
 
-class _Client:
-    def __init__(self) -> None:
-        self.cleared: list[str] = []
-
-    def clear_samples(self, *, partition_id, sample_ids):
-        assert partition_id == "train"
-        self.cleared += list(sample_ids)
-
-
-def _source(draws: list[list[float]], *, prompts: int, max_draws: int) -> tuple[Colocated, _Client]:
-    """A colocated source whose draws return ``draws``' rewards (groups of 2), rows ``d<k>-<i>``."""
+def _source(draws: list[list[float]], *, prompts: int,
+            max_draws: int) -> tuple[DrawLoop, list[str]]:
+    """A draw loop (the generation side of every topology) whose draws return ``draws``'
+    rewards (groups of 2), rows ``d<k>-<i>``; the ids it clears."""
     rc = RecipeConfig(algorithm="grpo", prompts_per_step=prompts, group_size=2,
                       dynamic_sampling=True, max_draws=max_draws)
-    client = _Client()
-    source = Colocated.__new__(Colocated)
-    source.rc, source.module = rc, SimpleNamespace(dp_client=client)
+    cleared: list[str] = []
 
-    def draw(step: int, index: int) -> Draw:
+    def clear(meta):
+        assert meta.partition_id == "train"
+        cleared.extend(meta.sample_ids)
+
+    loop = DrawLoop(rc=rc, task=None, side=None, io=RowIO(read=None, write=None, clear=clear))
+
+    def draw(engine, *, step: int, prompts: int, generator, partition_id: str,
+             index: int = 0) -> Draw:
         rewards = torch.tensor(draws[index])
-        meta = KVBatchMeta(partition_id="train", task_name=None,
+        meta = KVBatchMeta(partition_id=partition_id, task_name=None,
                            sample_ids=[f"d{index}-{i}" for i in range(len(rewards))])
-        return Draw(meta, rewards, rewards.unsqueeze(1), 0, {})
+        return Draw(meta, rewards, rewards.unsqueeze(1), 0, 0, {})
 
-    source.draw = draw
-    return source, client
+    loop.draw = draw
+    loop.sample = lambda: loop.dynamic_sample(None, step=0, prompts=prompts, generator=None,
+                                              partition_id="train")
+    return loop, cleared
 
 
 def test_zero_signal_groups_are_dropped_and_cleared_and_more_are_drawn():
     # Draw 0: groups [1 0] (signal), [1 1] (none), [0 0] (none); draw 1: [0 0], [0 1], [1 0].
-    source, client = _source([[1, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 0]], prompts=3, max_draws=4)
-    batch = source.dynamic_sample(step=0)
+    source, cleared = _source([[1, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 0]], prompts=3, max_draws=4)
+    batch = source.sample()
     assert batch.meta.sample_ids == ["d0-0", "d0-1", "d1-2", "d1-3", "d1-4", "d1-5"]
     assert batch.rewards.tolist() == [1, 0, 0, 1, 1, 0]
-    assert sorted(client.cleared) == ["d0-2", "d0-3", "d0-4", "d0-5", "d1-0", "d1-1"]
+    assert sorted(cleared) == ["d0-2", "d0-3", "d0-4", "d0-5", "d1-0", "d1-1"]
     assert batch.figures == {"sampling/draws": 2.0, "sampling/groups_dropped": 3.0,
                              "sampling/groups_filled": 0.0}
 
 
 def test_a_step_the_draws_do_not_fill_is_filled_with_the_last_draws_zero_signal_groups():
-    source, client = _source([[1, 1, 0, 0], [0, 1, 1, 1]], prompts=2, max_draws=2)
-    batch = source.dynamic_sample(step=0)
+    source, cleared = _source([[1, 1, 0, 0], [0, 1, 1, 1]], prompts=2, max_draws=2)
+    batch = source.sample()
     assert batch.meta.sample_ids == ["d1-0", "d1-1", "d1-2", "d1-3"]  # the signal, then a filler
-    assert sorted(client.cleared) == ["d0-0", "d0-1", "d0-2", "d0-3"]
+    assert sorted(cleared) == ["d0-0", "d0-1", "d0-2", "d0-3"]
     assert batch.figures["sampling/groups_filled"] == 1.0
     assert batch.figures["sampling/groups_dropped"] == 2.0
 
 
 def test_surplus_signal_groups_are_cleared_and_nan_rewards_carry_no_signal():
     nan = math.nan
-    source, client = _source([[1, 0, nan, 1, 0, 1]], prompts=1, max_draws=1)
-    batch = source.dynamic_sample(step=0)
+    source, cleared = _source([[1, 0, nan, 1, 0, 1]], prompts=1, max_draws=1)
+    batch = source.sample()
     assert batch.meta.sample_ids == ["d0-0", "d0-1"]
-    assert sorted(client.cleared) == ["d0-2", "d0-3", "d0-4", "d0-5"]
-    only_nan = Draw(batch.meta, torch.tensor([nan, 1.0]), torch.zeros(2, 1), 0, {})
+    assert sorted(cleared) == ["d0-2", "d0-3", "d0-4", "d0-5"]
+    only_nan = Draw(batch.meta, torch.tensor([nan, 1.0]), torch.zeros(2, 1))
     assert only_nan.groups(2).tolist() == [False]
 
 
@@ -108,8 +107,6 @@ def test_the_loss_family_trains_end_to_end(monkeypatch, tmp_path, overrides):
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    ({"loss_type": "gspo"}, (r"recipe.loss_type: must be one of \['grpo', 'dr_grpo', 'dapo', "
-                            r"'bnpo', 'cispo'\]")),
     ({"importance_sampling_level": "seq"}, "recipe.importance_sampling_level: must be one of"),
     ({"scale_rewards": "std"}, "recipe.scale_rewards: must be one of"),
     ({"kl_estimator": "k4"}, "recipe.kl_estimator: must be one of"),
@@ -118,7 +115,6 @@ def test_the_loss_family_trains_end_to_end(monkeypatch, tmp_path, overrides):
     ({"overlong_buffer": 8}, r"recipe.overlong_buffer: must be below recipe.max_new_tokens \(8\)"),
     ({"reference_path": "x.safetensors"}, "recipe.reference_path: is read only with recipe.beta > 0"),
     ({"algorithm": "ppo", "dynamic_sampling": True}, "recipe.dynamic_sampling: needs recipe.algorithm=grpo"),
-    ({"topology": "disaggregated", "beta": 0.04}, "recipe.beta: runs on recipe.topology=colocated only"),
 ])
 def test_a_bad_loss_family_key_is_a_config_error_naming_it(overrides, message):
     from tq_plugin.config import ConfigError

@@ -46,9 +46,9 @@ from omegaconf import DictConfig, open_dict
 
 from tq_plugin.config import ConfigError, PackingConfig, RecipeConfig, validate_config
 from tq_plugin.config.schema import EngineConfig
-from tq_plugin.data_plane import KVBatchMeta, LocalDataPlane
-from tq_plugin.lightning import MICROBATCH_INFO, DataPlaneCallback, MetaDataModule
+from tq_plugin.lightning import DataPlaneCallback, MetaDataModule
 from tq_plugin.lightning.instantiators import instantiate_callbacks, instantiate_loggers
+from tq_plugin.rl.algorithms.registry import check_registered, import_user_modules
 from tq_plugin.rl.models import fsdp as sharding
 from tq_plugin.rl.models.protocol import check_models
 from tq_plugin.rl.models.weights import (
@@ -60,12 +60,17 @@ from tq_plugin.rl.models.weights import (
 )
 from tq_plugin.rl.tasks.prompts import TaskState
 from tq_plugin.rl.topology.build import build_model, build_task, engine_config
-from tq_plugin.rl.topology.colocated import Colocated, RolloutStream
-from tq_plugin.rl.topology.disaggregated import AsyncMetricsLog, Disaggregated
+from tq_plugin.rl.topology.colocated import RolloutStream
+from tq_plugin.rl.topology.sources import build_step_source
 from tq_plugin.rl.training import console, ranks
-from tq_plugin.rl.training.callbacks import PeriodicCheckpoint, RLStepCallback, SigtermStop
-from tq_plugin.rl.training.evaluation import EVAL, EvalLog, evaluates
-from tq_plugin.rl.training.metrics import RESULT_FILE, MetricsLog
+from tq_plugin.rl.training.callbacks import (
+    PeriodicCheckpoint,
+    RLStepCallback,
+    SigtermStop,
+    StepHooks,
+)
+from tq_plugin.rl.training.evaluation import EVAL, EvalLog
+from tq_plugin.rl.training.metrics import RESULT_FILE
 from tq_plugin.rl.training.module import RLModule
 from tq_plugin.rollout import EngineError
 
@@ -82,6 +87,10 @@ class RLRecipe:
         self.output_dir = Path(output_dir)
         self.cfg = self._resolve_model_sizes(self._pin_logger_dirs(cfg))
         self.rc: RecipeConfig = typed["recipe"]
+        # The user's own losses and advantage estimators register on import; then every name
+        # the recipe selects must be registered (one line naming the registered ones).
+        import_user_modules(self.rc.imports)
+        check_registered(self.rc)
         self.engine_cfg: EngineConfig = typed.get("engine") or engine_config(cfg)
         self.packing: PackingConfig = instantiate(cfg.tq.packing)
         self.media = bool(cfg.tq.staging.capture_media)
@@ -137,32 +146,22 @@ class RLRecipe:
             topology=self.rc.topology, steps=self.rc.num_steps), flush=True)
         console.quiet_third_party_logs(self.output_dir, verbose=bool(self.cfg.get("verbose", False)))
         self.task = build_task(self.cfg)
-        if hasattr(self.task, "check_recipe"):  # a task may refuse settings it cannot train
-            self.task.check_recipe(self.rc)
-        if self.rc.eval_every and not evaluates(self.task):  # it would log no eval at all
+        self.task.check_recipe(self.rc)  # a task may refuse settings it cannot train
+        if self.rc.eval_every and not self.task.evaluates:  # it would log no eval at all
             raise ConfigError(
-                f"recipe.eval_every: task={getattr(self.task, 'name', '?')} holds no held-out "
+                f"recipe.eval_every: task={self.task.name} holds no held-out "
                 f"prompts to evaluate: set task.eval_path (a file) or task.eval_size (rows held "
                 f"out of task.path), or drop recipe.eval_every")
         # One rollout stream for the run, the same on every rank (see tq_plugin.rl.training.ranks).
         self.rollouts = RolloutStream(self.rc.seed)
         self.summary: dict[str, Any] | None = None
+        # The topology: one step source, built by name (tq_plugin.rl.topology.source).
+        self.source = build_step_source(self.cfg, rc=self.rc, task=self.task,
+                                        output_dir=self.output_dir, rollouts=self.rollouts)
         self._setup_models()
         self._check_engine()
-        disaggregated = self.rc.topology == "disaggregated"
-        self.metrics = (AsyncMetricsLog if disaggregated else MetricsLog)(
-            self.output_dir, packing=self.packing.mode)
+        self.metrics = self.source.metrics_type(self.output_dir, packing=self.packing.mode)
         self._setup_trainer()
-        self.module.step_hook = self._after_microbatch
-
-    def _after_microbatch(self, meta: KVBatchMeta, stats: dict[str, float]) -> None:
-        self.metrics.on_microbatch(meta, stats)
-        info = meta.extra_info[MICROBATCH_INFO]
-        self.periodic.save_if_due(self.module.trainer, info)
-        finished = int(info["step"]) + 1
-        if self.rc.save_hf_every and info["last_in_step"] and finished % self.rc.save_hf_every == 0:
-            self.save_hf_policy(self.output_dir / "checkpoints" / f"hf-step-{finished:06d}")
-        self.sigterm.stop_if_requested(self.module.trainer)
 
     def _setup_models(self) -> None:
         max_len = self.task.max_sequence_length(self.rc.max_new_tokens)
@@ -175,10 +174,12 @@ class RLRecipe:
         check_models(policy, value, vocab_size=self.task.vocab_size, layout=self.packing.layout,
                      media=self.media)
         # The IS correction is on where the rows' generating policy is not the trained module:
-        # disaggregated workers (older weights) and the hf/vllm engines (other kernels).
-        correct_is = self.rc.topology == "disaggregated" or self.engine_cfg.name != "native"
+        # older weights (an off-policy source's workers) and the hf/vllm engines (other kernels).
+        off_policy = self.source.off_policy
         self.module = RLModule(policy=policy, value=value, recipe=self.rc, packing=self.packing,
-                               media=self.media, correct_is=correct_is)
+                               media=self.media,
+                               correct_is=off_policy or self.engine_cfg.name != "native",
+                               on_policy=not off_policy)
 
     def _check_engine(self) -> None:
         """Refuse an engine that cannot serve this run, before anything starts (one
@@ -223,23 +224,26 @@ class RLRecipe:
         self.sigterm = SigtermStop(self.sigterm_checkpoint)
         self.periodic = PeriodicCheckpoint(self.sigterm_checkpoint.parent,
                                            self.rc.checkpoint_every or 0)
-        self.disaggregated = None
-        if self.rc.topology == "disaggregated":  # the workers build their own task and engine
-            self.disaggregated = Disaggregated(
-                self.cfg, rc=self.rc, module=self.module, metrics=self.metrics,
-                dp_callback=self.callback, sigterm=self.sigterm, turns=self.task.turns)
-        # The task's own state (task=prompts: its dataset cursor) rides the checkpoint too;
-        # disaggregated, the ledger's prompt-stream slots say which rows come next.
+        self.source.attach(module=self.module, metrics=self.metrics, dp_callback=self.callback,
+                           sigterm=self.sigterm)
+        self.step_hooks = StepHooks(metrics=self.metrics, periodic=self.periodic,
+                                    sigterm=self.sigterm, save_hf_every=self.rc.save_hf_every,
+                                    save_hf=self.save_hf_policy,
+                                    checkpoints_dir=self.output_dir / "checkpoints")
+        # The task's own state (task=prompts: its dataset cursor) rides the checkpoint too,
+        # unless the step source keeps its own (the disaggregated ledger's prompt-stream slots).
         own = ([TaskState(self.task)]
-               if hasattr(self.task, "state_dict") and self.disaggregated is None else [])
+               if self.task.stateful and self.source.checkpoints_task else [])
         # The bar in a terminal, one plain line per step elsewhere (console.py): never both.
         self.terminal = console.is_terminal()
         bar = bool(self.cfg.trainer.get("enable_progress_bar", True)) and self.terminal
         console.route_step_lines(terminal=bar)
         callbacks = [self.callback, self.step_callback, self.sigterm, *own, EvalLog(),
                      console.StepLines(self.rc.num_steps),
-                     *([self.disaggregated] if self.disaggregated else []), *instantiate_callbacks(
-                         self.cfg.get("callbacks"), progress_bar=bar)]
+                     *self.source.callbacks(), *instantiate_callbacks(
+                         self.cfg.get("callbacks"), progress_bar=bar),
+                     # last: after every other callback, as the module's own hook was
+                     self.step_hooks]
         self.trainer = instantiate(self.cfg.trainer, max_steps=max_steps,
                                    default_root_dir=str(self.output_dir), callbacks=callbacks,
                                    logger=self._loggers(), enable_progress_bar=bar)
@@ -247,7 +251,7 @@ class RLRecipe:
         ranks.check_parallel_run(self.trainer, backend=self.cfg.tq.backend,
                                  global_batch=self.global_batch,
                                  save_artifacts=self.rc.save_artifacts,
-                                 topology=self.rc.topology)
+                                 workers_generate=self.source.off_policy)
         self.world_size = self.trainer.world_size
         self.sharded = ranks.is_sharded_run(self.trainer)
         if self.world_size > 1 and self.engine_cfg.name == "vllm":
@@ -265,9 +269,8 @@ class RLRecipe:
                    "every rank replays each step's rollouts into its embedded store")
                 + "; each rank trains on a length-balanced shard of the global batch")
         self.replicated = not shared and self.world_size > 1
-        self.source = self.disaggregated or Colocated(
-            self.cfg, rc=self.rc, task=self.task, module=self.module, rollouts=self.rollouts,
-            output_dir=self.output_dir, replicated=self.replicated, global_batch=self.global_batch)
+        self.source.bind(world_size=self.world_size, replicated=self.replicated,
+                         global_batch=self.global_batch, sharded=self.sharded)
         self.datamodule = MetaDataModule(
             self.source.prepare_step,
             num_steps=self.rc.num_steps, fields=self.module.train_fields, task_name="train",
@@ -275,18 +278,16 @@ class RLRecipe:
             global_batch_size=self.global_batch,
             micro_batch_size=self.packing.micro_batch_size,
             rows="shared" if shared else "local",
-            # The disaggregated step's no-grad passes of a sharded model need every rank.
-            source_on_every_rank=self.sharded and self.disaggregated is not None,
+            source_on_every_rank=self.source.every_rank(),
         )
 
     def _train_store(self) -> Any:
         """The store the steps' training rows live in: the ``DataPlaneCallback``'s client, which
-        it builds in its ``setup`` on every rank. ``tq.backend``, except for one disaggregated
-        trainer process: its rows stay in an embedded store of its own (one hop from the
-        workers' shared store). A bound method, so it pickles for ``ddp_spawn``."""
-        if self.disaggregated is not None and self.world_size == 1:
-            return LocalDataPlane()
-        return instantiate(self.cfg.tq.backend)
+        it builds in its ``setup`` on every rank. ``tq.backend``, unless the step source keeps
+        them in a store of its own (one disaggregated trainer process: an embedded store, one
+        hop from the workers' shared store). A bound method, so it pickles for ``ddp_spawn``."""
+        own = self.source.own_store()
+        return own if own is not None else instantiate(self.cfg.tq.backend)
 
     def _loggers(self) -> list[Any] | bool:
         """The ``logger`` group's loggers (``False``: none)."""
@@ -295,9 +296,10 @@ class RLRecipe:
         return instantiate_loggers(self.cfg.get("logger")) or False
 
     def close_engine(self) -> None:
-        """Release the colocated source's engine (idempotent); cleanup and a failed fit call it."""
+        """Release what the step source started (idempotent); cleanup and a failed fit call
+        it."""
         source = getattr(self, "source", None)
-        if isinstance(source, Colocated):
+        if source is not None:
             source.close()
 
     # ------------------------------------------------------------------ train / cleanup
@@ -344,13 +346,9 @@ class RLRecipe:
             save_final_full_weights(self.output_dir, policy=self.module.policy,
                                     value=self.module.value, rank=trainer.global_rank)
             self.save_hf_policy(self.output_dir / HF_POLICY_DIR)
-        colocated = self.source if isinstance(self.source, Colocated) else None
         evaluated = None
-        if (self.rc.eval_every and not interrupted and colocated is not None
-                and colocated.engine is not None
-                and (sharded or trainer.is_global_zero)):  # sharded: every rank's forwards
-            colocated.sync_engine(self.rc.num_steps)  # the trained weights
-            evaluated = colocated.evaluate()
+        if self.rc.eval_every and not interrupted:  # sharded: every rank's forwards
+            evaluated = self.source.final_evaluation(trainer)
         if not trainer.is_global_zero:
             return
         merged = ranks.merge_rank_steps([rank_steps for rank_steps, _ in per_rank])
@@ -362,10 +360,7 @@ class RLRecipe:
             for logger in trainer.loggers:
                 logger.log_metrics({f"eval/{k}": v for k, v in summary[EVAL].items()},
                                    step=trainer.global_step)
-        syncs = colocated.weight_sync_s if colocated is not None else []
-        if syncs:
-            summary["weight_syncs"] = len(syncs)
-            summary["weight_sync_s_median"] = round(sorted(syncs)[len(syncs) // 2], 4)
+        summary.update(self.source.summary())
         if interrupted:
             summary["status"] = "interrupted"
         else:

@@ -123,12 +123,18 @@ def test_the_policy_loss_is_scaled_by_the_modes_weights(mode, packed):
     assert m._mb_stats["is_masked_tokens"] == MASKED[mode]
 
 
-def test_the_correction_applies_to_disaggregated_rows_by_default():
+def test_the_correction_applies_where_the_step_source_is_off_policy():
+    """The module weights tokens only when asked (``correct_is``); the recipe asks where the
+    step source's rows may come from older weights (``StepSource.off_policy``: the
+    disaggregated one) or the engine is not the trained module."""
+    from tq_plugin.rl.topology.colocated import Colocated
+    from tq_plugin.rl.topology.disaggregated import Disaggregated
+
     mask = _columns()[2] > 0
     plain = -(torch.arange(20.0).view(4, 5) + 1)[mask].sum() / mask.sum()  # every weight 1
-    assert _train_one("icepop", correct_is=None)._last_loss == pytest.approx(float(plain))
-    assert _train_one("icepop", correct_is=None, topology="disaggregated")._last_loss == \
-        pytest.approx(_train_one("icepop", correct_is=True)._last_loss)
+    assert _train_one("icepop", correct_is=False)._last_loss == pytest.approx(float(plain))
+    assert _train_one("icepop", correct_is=True)._last_loss != pytest.approx(float(plain))
+    assert Disaggregated.off_policy and not Colocated.off_policy
 
 
 def test_mismatch_figures_per_optimizer_step():

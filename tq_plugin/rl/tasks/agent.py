@@ -6,7 +6,7 @@ gets an ``openai.AsyncOpenAI`` client bound to one rollout and one dataset row, 
 more figures. The other keys of ``task.agent`` are passed to it as keyword arguments.
 
 Each step, :class:`AgentRunner` serves the rollout engine through the OpenAI-compatible
-endpoint (:class:`tq_plugin.rollout.openai_server.AgentEndpoint`, on loopback, port 0), which
+endpoint (:class:`tq_plugin.rollout.openai.server.AgentEndpoint`, on loopback, port 0), which
 stages every call token-exact through the run's ``TQTokenSink`` before it answers; it runs
 ``group_size`` rollouts of each of the step's rows, ``task.concurrency`` at a time, closes each
 with its receipt, and hands the receipts to the reassembler as the built-in tasks' are. It works
@@ -28,8 +28,7 @@ import torch
 from hydra.utils import get_method
 
 from tq_plugin.config import ConfigError
-from tq_plugin.rl.tasks.prompts import load_rows, load_tokenizer
-from tq_plugin.rl.tasks.stream import PromptStream
+from tq_plugin.rl.tasks.prompts import DatasetTask, render
 from tq_plugin.rollout.worker import RolloutBatch
 
 
@@ -78,12 +77,10 @@ def reward_of(out: Any, *, agent: str) -> tuple[float, dict[str, float]]:
     return float(out), figures
 
 
-class AgentTask:
+class AgentTask(DatasetTask):
     """Rows of a local dataset, each solved by the user's agent (see the module docstring)."""
 
     media = False
-    patch_dim = 0
-    image_token_id = None
     turns = 1  # one reward per rollout
 
     def __init__(self, *, path: str, agent: Mapping[str, Any], prompt_key: str = "prompt",
@@ -93,32 +90,15 @@ class AgentTask:
                  seed: int = 0) -> None:
         if media:
             raise ConfigError("task=agent reads no pixels: drop tq/staging=media")
-        if path is None:
-            raise ConfigError("task.path: task=agent needs a dataset file (json/jsonl, parquet, "
-                              "csv): one row per problem, handed to the agent whole")
         if concurrency < 1:
             raise ConfigError(f"task.concurrency: must be >= 1, got {concurrency}")
         if max_context is not None and max_context < 2:
             raise ConfigError(f"task.max_context: must be >= 2, got {max_context}")
-        self.name, self.prompt_key = name, prompt_key
         self.agent, self.agent_name = load_agent(agent)
         self.concurrency, self.max_context = concurrency, max_context
-        self.tokenizer = load_tokenizer(tokenizer)
-        self.rows = load_rows(path, prompt_key=prompt_key)
-        self.stream = PromptStream(len(self.rows), seed=seed, shuffle=shuffle)
-        self.seed = seed
-        self.eos_token_id = int(self.tokenizer.eos_token_id)
-        pad = self.tokenizer.pad_token_id
-        self.pad_token_id = int(pad if pad is not None else self.eos_token_id)
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.tokenizer)
-
-    @property
-    def output_token_ids(self) -> None:
-        """Every token may be emitted."""
-        return None
+        super().__init__(path=path, prompt_key=prompt_key, tokenizer=tokenizer, shuffle=shuffle,
+                         seed=seed, name=name,
+                         path_hint=": one row per problem, handed to the agent whole")
 
     def max_sequence_length(self, max_new_tokens: int) -> int:
         """What one rollout may grow to: ``task.max_context``, else its first call (the longest
@@ -126,26 +106,23 @@ class AgentTask:
         (a 400 the agent sees), so no training row is longer than the model takes."""
         if self.max_context is not None:
             return self.max_context
-        from tq_plugin.rl.tasks.prompts import render
-
         longest = max(len(render(self.tokenizer, r[self.prompt_key])) for r in self.rows)
         return longest + max_new_tokens
+
+    def sample(self, n: int, generator: torch.Generator) -> list[Any]:
+        """The agent draws its own rows (:class:`AgentRunner`): no episodes to sample."""
+        raise NotImplementedError("task=agent: rollouts run through its rollout_driver")
+
+    def score(self, responses: torch.Tensor, response_lens: torch.Tensor,
+              targets: torch.Tensor, target_lens: torch.Tensor) -> torch.Tensor:
+        """The agent's own reward scores its rollouts (:class:`AgentRunner`)."""
+        raise NotImplementedError("task=agent: the agent returns each rollout's reward")
 
     def check_recipe(self, recipe: Any) -> None:
         """Refuse what one reward per rollout cannot train."""
         if recipe.algorithm != "grpo":
             raise ConfigError(f"task=agent trains with recipe=grpo (one reward per rollout; "
                               f"recipe.algorithm={recipe.algorithm} needs per-turn rewards)")
-
-    # ---------------------------------------------------------------- the prompt stream
-    def seek(self, position: int) -> None:
-        self.stream.seek(position)
-
-    def state_dict(self) -> dict[str, int]:
-        return self.stream.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
-        self.stream.load_state_dict(state)
 
     def rollout_driver(self, sink: Any, *, max_new_tokens: int, max_model_len: int | None = None,
                        **_: Any) -> AgentRunner:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tq_plugin.rl.tasks.protocol import Task
+
 PAD, BOS, EOS, SEP, GOOD, BAD, IMG = range(7)
 NUM_SPECIAL = 7
 
@@ -28,7 +30,7 @@ class Episode:
     image: dict[str, torch.Tensor] | None = None
 
 
-class PatternTask:
+class PatternTask(Task):
     # The token ids the rollout worker, reassembler and models are given.
     eos_token_id = EOS
     pad_token_id = PAD
@@ -113,6 +115,11 @@ class PatternTask:
         valid = pos < torch.minimum(response_lens, target_lens).unsqueeze(1)
         hits = ((r == t) & valid).sum(1).float()
         return hits / torch.maximum(response_lens, target_lens).clamp(min=1).float()
+
+    @property
+    def evaluates(self) -> bool:
+        """Held-out episodes of a generator of their own (none in media mode)."""
+        return not self.media
 
     def evaluate(self, generate, *, max_new_tokens: int, size: int = 64) -> dict[str, float]:
         """First-turn scores of greedy completions (``generate(prompts) -> [ids]``) of ``size``

@@ -42,6 +42,7 @@ from typing_extensions import override
 
 from tq_plugin.config import ConfigError
 from tq_plugin.rl.tasks.pattern import Episode
+from tq_plugin.rl.tasks.protocol import Task
 from tq_plugin.rl.tasks.rewards import Reward, RewardCall, TrainerState, combine, load_rewards
 from tq_plugin.rl.tasks.stream import PromptStream
 
@@ -163,7 +164,48 @@ def is_conversational(prompt: Any) -> bool:
         and "role" in prompt[0]
 
 
-class PromptTask:
+class DatasetTask(Task):
+    """A task over the rows of a dataset file (``task.path``: json/jsonl, parquet, csv): the
+    tokenizer (``task.tokenizer``) and its special ids, the rows, and a seeded prompt stream
+    (one shuffle per epoch) whose cursor rides the checkpoint and which a disaggregated worker
+    seeks to its ticket's slot."""
+
+    stateful = True
+
+    def __init__(self, *, path: str | Path | None, prompt_key: str, tokenizer: str | None,
+                 shuffle: bool, seed: int, name: str, path_hint: str = "") -> None:
+        if path is None:
+            raise ConfigError(f"task.path: task={name} needs a dataset file (json/jsonl, "
+                              f"parquet, csv){path_hint}")
+        self.name, self.prompt_key = name, prompt_key
+        self.tokenizer = load_tokenizer(tokenizer)
+        self.eos_token_id, self.pad_token_id = special_ids(self.tokenizer, tokenizer)
+        self.rows: list[dict] = load_rows(path, prompt_key=prompt_key)
+        self.seed, self.shuffle = seed, shuffle
+        self.stream = PromptStream(len(self.rows), seed=seed, shuffle=shuffle)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    def next_rows(self, n: int) -> list[int]:
+        """The next ``n`` row numbers of the run's prompt stream (a new shuffle each epoch)."""
+        return self.stream.next_rows(n)
+
+    def seek(self, position: int) -> None:
+        """Put the cursor at ``position`` of the run's prompt stream: a disaggregated worker
+        draws the rows of its ticket's slot this way, whichever worker runs it and however
+        often it is ordered."""
+        self.stream.seek(position)
+
+    def state_dict(self) -> dict[str, int]:
+        return self.stream.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        self.stream.load_state_dict(state)
+
+
+class PromptTask(DatasetTask):
     """Prompts from a file, scored by reward functions (see the module docstring)."""
 
     def __init__(
@@ -186,17 +228,12 @@ class PromptTask:
     ) -> None:
         if media:
             raise ConfigError("task=prompts reads no pixels: drop tq/staging=media")
-        if path is None:
-            raise ConfigError("task.path: task=prompts needs a dataset file (json/jsonl, "
-                              "parquet, csv)")
-        self.name = name
+        super().__init__(path=path, prompt_key=prompt_key, tokenizer=tokenizer, shuffle=shuffle,
+                         seed=seed, name=name)
         self.media = False
         self.turns = turns
-        self.prompt_key = prompt_key
-        self.tokenizer = load_tokenizer(tokenizer)
-        self.eos_token_id, self.pad_token_id = special_ids(self.tokenizer, tokenizer)
         self.rewards: list[Reward] = load_rewards(reward, rewards)
-        rows = load_rows(path, prompt_key=prompt_key)
+        rows = self.rows
         if eval_path is not None:
             held_out = load_rows(eval_path, prompt_key=prompt_key, key="task.eval_path")
         elif eval_size:
@@ -213,39 +250,16 @@ class PromptTask:
         self.eval_ids = [render(self.tokenizer, r[prompt_key]) for r in held_out]
         self.feedback_ids = [list(self.tokenizer(t, add_special_tokens=False).input_ids)
                              for t in (feedback_bad, feedback_good)]
-        self.image_token_id = None
-        self.seed, self.shuffle = seed, shuffle
         self.stream = PromptStream(len(self.rows), seed=seed, shuffle=shuffle)
         # Set by the step source before each step's rollouts (trainer_state.global_step).
         self.trainer_state = TrainerState()
         self.reward_log: list[dict[str, Any]] = []
 
     # ---------------------------------------------------------------- the worker's interface
-    @property
-    def vocab_size(self) -> int:
-        return len(self.tokenizer)
-
-    @property
-    def output_token_ids(self) -> None:
-        """Every token may be emitted."""
-        return None
-
-    patch_dim = 0
-
     def max_sequence_length(self, max_new_tokens: int) -> int:
         longest = max(len(p) for p in self.ids + self.eval_ids)
         feedback = max(len(f) for f in self.feedback_ids)
         return longest + self.turns * max_new_tokens + (self.turns - 1) * feedback
-
-    def next_rows(self, n: int) -> list[int]:
-        """The next ``n`` row numbers of the run's prompt stream (a new shuffle each epoch)."""
-        return self.stream.next_rows(n)
-
-    def seek(self, position: int) -> None:
-        """Put the cursor at ``position`` of the run's prompt stream: a disaggregated worker
-        draws the rows of its ticket's slot this way, whichever worker runs it and however
-        often it is ordered."""
-        self.stream.seek(position)
 
     def sample(self, n: int, generator: torch.Generator) -> list[Episode]:
         """``n`` episodes from the shuffle (``generator`` is not drawn from: the cursor is the
@@ -307,7 +321,12 @@ class PromptTask:
     def feedback(self, scores: torch.Tensor) -> list[list[int]]:
         return [list(self.feedback_ids[int(s >= CORRECT)]) for s in scores.tolist()]
 
-    # ---------------------------------------------------------------- evaluation, checkpoint
+    # ---------------------------------------------------------------- evaluation
+    @property
+    def evaluates(self) -> bool:
+        """Held-out rows to evaluate: ``task.eval_path`` or ``task.eval_size``."""
+        return bool(self.eval_rows)
+
     def evaluate(self, generate: Any, *, max_new_tokens: int) -> dict[str, float]:
         """Greedy completions of the held-out rows through ``generate(prompts) -> [ids]`` (stop
         token included when emitted): ``{"reward": mean, "accuracy": fraction >= 1}``."""
@@ -324,12 +343,6 @@ class PromptTask:
             return {}
         return {"reward": sum(rewards) / len(rewards),
                 "accuracy": sum(r >= CORRECT for r in rewards) / len(rewards)}
-
-    def state_dict(self) -> dict[str, int]:
-        return self.stream.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
-        self.stream.load_state_dict(state)
 
 
 class TaskState(Callback):
@@ -353,5 +366,5 @@ class TaskState(Callback):
         self.task.load_state_dict(state_dict)
 
 
-__all__ = ["FORMATS", "PromptTask", "TaskState", "is_conversational", "load_rows", "load_tokenizer",
+__all__ = ["FORMATS", "DatasetTask", "PromptTask", "TaskState", "is_conversational", "load_rows", "load_tokenizer",
            "prompt_text", "render", "special_ids"]

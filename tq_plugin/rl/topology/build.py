@@ -77,11 +77,11 @@ def build_rollout_side(cfg: DictConfig, task: Any, client: Any) -> RolloutSide:
     the user's agent), else a ``RolloutWorker`` running the task's episodes."""
     rc = cfg.recipe
     sink = instantiate(cfg.tq.staging)(client)
-    if hasattr(task, "rollout_driver"):  # a task that drives its own rollouts (task=agent)
-        rollout = task.rollout_driver(sink, temperature=rc.temperature,
-                                      max_new_tokens=rc.max_new_tokens,
-                                      max_model_len=int(cfg.model.max_seq_len))
-    else:
+    # A task that drives its own rollouts (task=agent) returns its driver; else None.
+    rollout = task.rollout_driver(sink, temperature=rc.temperature,
+                                  max_new_tokens=rc.max_new_tokens,
+                                  max_model_len=int(cfg.model.max_seq_len))
+    if rollout is None:
         rollout = RolloutWorker(task=task, sink=sink, temperature=rc.temperature,
                                 max_new_tokens=rc.max_new_tokens, stop_token_id=task.eos_token_id,
                                 allowed_token_ids=task.output_token_ids)

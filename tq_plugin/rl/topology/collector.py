@@ -31,6 +31,7 @@ from tq_plugin.data_plane import KVBatchMeta, first_write
 from tq_plugin.rl.topology.exchange import (
     CALLS_TAG,
     FAILED_TAG,
+    FIGURE_TAG_PREFIX,
     GENERATE_TASK,
     ROLLOUTS_PARTITION,
     SLOT_TAG,
@@ -52,13 +53,31 @@ log = logging.getLogger(__name__)
 READY_TASK = "async_ready"
 # A rollout id's prompt index within its chunk and its place in the prompt's group.
 _ROW_IN_ID = re.compile(r"-p(\d+)-g(\d+)$")
+# Its draw's rollout step (``s<n>``: a dynamic-sampling draw past the first is step + k x
+# ``DRAW_STRIDE``), so a chunk of several draws keeps each draw's groups apart.
+_STEP_IN_ID = re.compile(r"s(\d+)-p\d+-g\d+$")
+
+
+def chunk_figures(chunks: list[KVBatchMeta]) -> dict[str, float]:
+    """The step's figures from its chunks' ``fig:<name>`` tags (the workers' draws): fractions
+    and means weighted by the chunks' rows, counts summed."""
+    sums: dict[str, float] = {}
+    rows = sum(c.size for c in chunks)
+    for chunk in chunks:
+        for key, value in chunk.tags[0].items():
+            if key.startswith(FIGURE_TAG_PREFIX):
+                name = key[len(FIGURE_TAG_PREFIX):]
+                averaged = name.endswith(("fraction", "mean"))
+                sums[name] = sums.get(name, 0.0) + float(value) * (chunk.size / rows if averaged else 1)
+    return sums
 
 
 def in_row_order(chunk: KVBatchMeta) -> KVBatchMeta:
     """A chunk's rows in the order the worker wrote them: by prompt, then by place in the
     prompt's group (their ids' ``-p<i>-g<j>`` ending), so each group's rows are contiguous
     (``group_relative`` reads groups as consecutive rows)."""
-    keys = [tuple(int(x) for x in _ROW_IN_ID.search(sid).groups()) for sid in chunk.sample_ids]
+    keys = [(int(_STEP_IN_ID.search(sid).group(1)), *(int(x) for x in _ROW_IN_ID.search(sid).groups()))
+            for sid in chunk.sample_ids]
     order = sorted(range(chunk.size), key=keys.__getitem__)
     return chunk if order == list(range(chunk.size)) else chunk.subset(order)
 
@@ -280,6 +299,7 @@ class ChunkCollector:
             "rollout_calls_per_s": round(calls / max(now - self._last_ready, 1e-9), 2),
             "workers_alive": len(self.ledger.alive), "failed_calls": failed,
             "prompt_groups": [g for c in chunks for g in self.prompt_groups(c)],
+            "draw_figures": chunk_figures(chunks),
         }
         self._last_ready = now
         return chunks, figures

@@ -97,28 +97,17 @@ from hydra.utils import get_class, instantiate
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from tq_plugin.data_plane import (
-    GENERATION_LOGPROBS,
-    PREV_LOGPROBS,
-    SAMPLE_MASK,
-    TOKEN_MASK,
-    TOTAL_REWARD,
-    KVBatchMeta,
-    shard_meta_for_dp,
-)
+from tq_plugin.config import ConfigError
+from tq_plugin.data_plane import KVBatchMeta, LocalDataPlane
 from tq_plugin.data_plane.processes import launcher_for
-from tq_plugin.lightning import MICROBATCH_INFO, max_over_ranks
+from tq_plugin.lightning import MICROBATCH_INFO
 from tq_plugin.rl.topology.collector import ChunkCollector
 from tq_plugin.rl.topology.exchange import BackgroundWriter, WeightPublisher, weights_snapshot
+from tq_plugin.rl.topology.source import StepSource, register_step_source
 from tq_plugin.rl.topology.worker import WorkerSpec, worker_main
 from tq_plugin.rl.training.metrics import MetricsLog, StepRecord
+from tq_plugin.rl.training.pipeline import StepTail
 from tq_plugin.rl.training.ranks import is_sharded_run, shares_rows
-from tq_plugin.rl.training.step_record import (
-    RL_STEP,
-    TURN_REWARDS,
-    action_tokens_and_gap,
-    step_record,
-)
 
 log = logging.getLogger(__name__)
 PROMPT_GROUPS_FILE = "prompt_groups.jsonl"
@@ -175,34 +164,36 @@ def check_disaggregated(cfg: Any) -> None:
     """Refuse what the disaggregated topology cannot run, before anything starts."""
     rc = cfg.recipe
     if rc.max_staleness < 1:
-        raise ValueError(
+        raise ConfigError(
             f"recipe.max_staleness={rc.max_staleness}: topology=disaggregated needs >= 1 (rows "
             "generated while the trainer trains lag it by one step; colocated is on-policy)")
     backend = cfg.tq.backend
     if not shares_rows(get_class(backend._target_)):
-        raise ValueError(
+        raise ConfigError(
             f"recipe.topology=disaggregated needs a store shared across processes: use "
             f"tq/backend=ray or tq/backend=transferqueue (tq.backend._target_="
             f"{backend._target_} is embedded in the trainer process)")
 
 
-class Disaggregated(Callback):
+@register_step_source("disaggregated")
+class Disaggregated(StepSource, Callback):
     """The trainer side: starts and stops the workers, claims each step's rows, publishes weights.
 
-    Built by the recipe when ``recipe.topology=disaggregated``; a Lightning callback of the
+    The step source of ``recipe.topology=disaggregated``, and a Lightning callback of the
     recipe's trainer (publish after each step's last microbatch, stop the workers when the fit
-    ends or fails). Its collaborators: the run's config (and its typed ``recipe`` group, ``rc``), the trained ``module``, the step
+    ends or fails). Its collaborators (:meth:`attach`): the trained ``module``, the step
     ``metrics`` (an :class:`AsyncMetricsLog`), the ``DataPlaneCallback`` (``dp_callback``: how
-    many steps the run has finished), the ``SigtermStop`` to re-arm once Ray has started, and
-    the task's number of ``turns``.
+    many steps the run has finished) and the ``SigtermStop`` to re-arm once Ray has started.
     """
 
-    def __init__(self, cfg: Any, *, rc: Any, module: Any, metrics: AsyncMetricsLog,
-                 dp_callback: Any, sigterm: Any, turns: int) -> None:
+    metrics_type = AsyncMetricsLog
+    off_policy = True
+    checkpoints_task = False  # the ledger's prompt-stream slots say which rows come next
+
+    def __init__(self, cfg: Any, *, rc: Any, task: Any, output_dir: Any, rollouts: Any) -> None:
         check_disaggregated(cfg)
-        self.cfg, self.rc = cfg, rc
-        self.module, self.metrics, self.dp_callback = module, metrics, dp_callback
-        self.sigterm, self.turns = sigterm, turns
+        super().__init__(cfg, rc=rc, task=task, output_dir=output_dir, rollouts=rollouts)
+        self.turns = task.turns
         self.procs: list[Any] = []
         self.client: Any = None
         self.collector: ChunkCollector | None = None
@@ -211,6 +202,26 @@ class Disaggregated(Callback):
         self.resumed: dict[str, Any] | None = None  # this class's state from ckpt_path
         # Every rank that prepares steps: the first was prepared (weights go out from then on).
         self.started = False
+        self.world_size, self.sharded = 1, False
+
+    def attach(self, *, module: Any, metrics: Any, dp_callback: Any, sigterm: Any) -> None:
+        super().attach(module=module, metrics=metrics, dp_callback=dp_callback, sigterm=sigterm)
+        self.tail = StepTail(module, rc=self.rc, turns=self.turns)
+
+    def callbacks(self) -> list[Any]:
+        return [self]
+
+    def own_store(self) -> Any:
+        """One trainer process keeps its rows in an embedded store of its own (one hop from
+        the workers' shared store); several ranks share ``tq.backend``."""
+        return LocalDataPlane() if self.world_size == 1 else None
+
+    def every_rank(self) -> bool:
+        """A sharded policy's no-grad passes need every rank."""
+        return self.sharded
+
+    def close(self) -> None:
+        self.stop()
 
     # ------------------------------------------------------------------ workers
     def start(self, local: Any, step: int, weights: Any) -> None:
@@ -296,22 +307,12 @@ class Disaggregated(Callback):
             meta = chunks[0].concat(*chunks[1:])
             meta = dataclasses.replace(meta, task_name="train", extra_info={})
         t1 = time.perf_counter()
-        roles = ["policy", "value"] if m.value is not None else ["policy"]
-        if is_sharded_run(trainer):
-            self._sharded_passes(trainer, meta, roles, step)
-        else:
-            for role in roles:
-                m.forward_pass(meta, role=role, step=step)
+        self.tail.passes(meta, step=step, sharded=is_sharded_run(trainer))
         if not writer:
             return None  # the data module broadcasts rank 0's step meta
-        m.write_advantages(meta)
-        td = self._correct(meta)
-        actions, lp_gap = action_tokens_and_gap(td)
-        meta.extra_info[RL_STEP] = step_record(
-            actions=actions, minibatches=self.rc.minibatches, rewards=td[TOTAL_REWARD].tolist(),
-            turn_scores=(td[TURN_REWARDS] * self.turns).tolist(), rollout_s=t1 - t0,
-            prepare_s=time.perf_counter() - t1, failed_calls=figures.pop("failed_calls"),
-            lp_gap=lp_gap)
+        draw_figures = figures.pop("draw_figures")
+        meta = self.tail.finish(meta, step=step, draw=None, rollout_s=t1 - t0, t_prepare=t1,
+                                failed_calls=figures.pop("failed_calls"), figures=draw_figures)
         self.metrics.pending[step] = figures
         c = self.collector
         self.metrics.run_totals = {
@@ -322,28 +323,6 @@ class Disaggregated(Callback):
             "collect_s_total": round(
                 self.metrics.run_totals.get("collect_s_total", 0.0) + t1 - t0, 3)}
         return meta
-
-    def _sharded_passes(self, trainer: Trainer, meta: KVBatchMeta | None, roles: list[str],
-                        step: int) -> None:
-        """The no-grad passes of a sharded (FSDP) policy and value model: rank 0's step meta is
-        broadcast, each rank passes its length-balanced shard of the rows (reading and writing
-        those rows' columns only) with as many forwards as the busiest rank (the collectives
-        pair up: ``RLModule.forward_pass(pair_with=...)``), and the ranks meet once every
-        rank's rows are written."""
-        strategy = trainer.strategy
-        meta = strategy.broadcast(meta, src=0)
-        # The step's rows divide evenly over the ranks (ranks.check_parallel_run).
-        mine = shard_meta_for_dp(meta, dp_world=trainer.world_size)[0][trainer.global_rank]
-        for role in roles:
-            self.module.forward_pass(mine, role=role, step=step,
-                                            pair_with=lambda n: max_over_ranks(strategy, [n])[0])
-        strategy.barrier("tq_plugin.disaggregated.passes")
-
-    def _correct(self, meta: KVBatchMeta) -> Any:
-        """The columns the step's checks and metrics need, with its rewards, in one read. The
-        IS correction itself is the policy loss's (``RLModule``, module docstring)."""
-        return self.module.read_from_dataplane(meta, select_fields=[
-            TOKEN_MASK, SAMPLE_MASK, GENERATION_LOGPROBS, PREV_LOGPROBS, TOTAL_REWARD, TURN_REWARDS])
 
     # ------------------------------------------------------------------ checkpoint state
     @override

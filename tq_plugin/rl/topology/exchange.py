@@ -32,6 +32,9 @@ TICKET_TAG, VERSION_TAG, CALLS_TAG, FAILED_TAG = "ticket", "weight_version", "ca
 # The ticket's prompt-stream slot (``tq_plugin.rl.topology.staleness``): it seeds the rollouts' generator,
 # so a slot ordered again (a resumed run, a dropped chunk) draws the same prompts.
 SLOT_TAG = "slot"
+# Tags of a chunk's rows that carry its draws' figures (``fig:<name>``: truncated fraction,
+# overlong penalty, dynamic sampling's draws and drops), booked into the step's figures.
+FIGURE_TAG_PREFIX = "fig:"
 
 
 def tickets_partition(worker: int) -> str:
@@ -216,7 +219,7 @@ class SplitClient:
         return call
 
 
-__all__ = ["CALLS_TAG", "FAILED_TAG", "GENERATE_TASK", "ROLLOUTS_PARTITION", "SLOT_TAG",
+__all__ = ["CALLS_TAG", "FAILED_TAG", "FIGURE_TAG_PREFIX", "GENERATE_TASK", "ROLLOUTS_PARTITION", "SLOT_TAG",
            "TICKET_FIELDS", "TICKET_TAG", "TURN_REWARDS", "VERSION_TAG", "WEIGHTS",
            "WEIGHTS_PARTITION", "WEIGHT_VERSION", "BackgroundWriter", "InlineWriter",
            "SplitClient", "WeightPublisher", "newest_weights", "parse_weights_id", "put_weights",

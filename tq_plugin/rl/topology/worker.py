@@ -37,6 +37,7 @@ on an error (its traceback goes to stderr and its exit code tells the trainer it
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from dataclasses import dataclass
 from typing import Any
@@ -44,8 +45,15 @@ from typing import Any
 import torch
 from torch.nn.utils import vector_to_parameters
 
-from tq_plugin.data_plane import LocalDataPlane
+from tq_plugin.data_plane import (
+    KVBatchMeta,
+    LocalDataPlane,
+    read_columns,
+    stamp_global_forward_pad_seqlen,
+    write_columns,
+)
 from tq_plugin.data_plane.processes import StopSignal
+from tq_plugin.rl.algorithms.registry import import_user_modules
 from tq_plugin.rl.models.weights import engine_weights
 from tq_plugin.rl.topology.build import (
     RolloutSide,
@@ -57,6 +65,7 @@ from tq_plugin.rl.topology.build import (
 from tq_plugin.rl.topology.exchange import (
     CALLS_TAG,
     FAILED_TAG,
+    FIGURE_TAG_PREFIX,
     GENERATE_TASK,
     ROLLOUTS_PARTITION,
     SLOT_TAG,
@@ -74,6 +83,7 @@ from tq_plugin.rl.topology.exchange import (
     weights_id,
     weights_task,
 )
+from tq_plugin.rl.training.pipeline import DrawLoop, RowIO
 
 
 @dataclass
@@ -89,6 +99,7 @@ def _build(spec: WorkerSpec, workdir: str) -> tuple[Any, Any, Any, RolloutSide]:
     """The worker's task, policy, engine and rollout side: the colocated run's builder, on the
     worker's client (its staging kept local under ``recipe.worker_staging=local``)."""
     cfg = spec.cfg
+    import_user_modules(cfg.recipe.imports)  # the run's own losses and estimators, by name
     task = build_task(cfg)
     policy = build_model(cfg, task)
     client = spec.client
@@ -128,6 +139,25 @@ class _Weights:
             self.engine.update_weights(self._named(), version=newest[1])
             self.publish, self.version = newest
             return self.version
+
+
+def row_io(client: Any) -> RowIO:
+    """How a worker's draws read (padded to the rows' own longest), rewrite and clear rows of
+    the shared store."""
+    def read(meta: KVBatchMeta, fields: list[str]) -> Any:
+        meta = dataclasses.replace(meta, extra_info=dict(meta.extra_info))
+        stamp_global_forward_pad_seqlen(meta)
+        return read_columns(client, meta, fields)
+
+    return RowIO(read=read, write=lambda meta, fields: write_columns(client, meta, fields),
+                 clear=lambda meta: client.clear_samples(partition_id=meta.partition_id,
+                                                         sample_ids=meta.sample_ids))
+
+
+def figure_tags(figures: dict[str, float]) -> dict[str, float]:
+    """A draw's shaping and sampling figures as row tags (``fig:<name>``), which the trainer's
+    collector averages (fractions, means) or sums (counts) into the step's figures."""
+    return {f"{FIGURE_TAG_PREFIX}{k}": float(v) for k, v in figures.items()}
 
 
 def next_ticket(held: list[dict[str, int]], newest: int | None) -> dict[str, int] | None:
@@ -188,6 +218,7 @@ def _serve(spec: WorkerSpec, stop: StopSignal, task: Any, weights: _Weights,
            side: RolloutSide) -> None:
     client, rc = spec.client, spec.cfg.recipe
     partition = tickets_partition(spec.index)
+    draws = DrawLoop(rc=rc, task=task, side=side, io=row_io(client))
     held: list[dict[str, int]] = []
     while not stop.is_set():
         try:
@@ -206,17 +237,18 @@ def _serve(spec: WorkerSpec, stop: StopSignal, task: Any, weights: _Weights,
         held.remove(ticket)
         version = weights.load_newest(newest)
         generator = torch.Generator().manual_seed(rc.seed * 1_000_003 + 7919 * ticket["slot"] + 1)
-        if hasattr(task, "seek"):  # a dataset task: the slot's rows of the run's prompt stream
-            task.seek(ticket["slot"] * ticket["prompts"])
-        if hasattr(task, "set_step"):  # the reward functions' trainer_state: the target step
-            task.set_step(ticket["target"], rc.num_steps)
-        batch = side.rollout.run(weights.engine, step=ticket["ticket"], prompts=ticket["prompts"],
-                            group_size=rc.group_size, generator=generator)
-        rows = side.reassembler.finalize_group(batch.receipts, partition_id=ROLLOUTS_PARTITION)
+        # A dataset task draws the slot's rows of the run's prompt stream; the reward
+        # functions' trainer_state is the target step.
+        task.seek(ticket["slot"] * ticket["prompts"])
+        task.set_step(ticket["target"], rc.num_steps)
+        batch = draws.run(weights.engine, step=ticket["ticket"], prompts=ticket["prompts"],
+                          generator=generator, partition_id=ROLLOUTS_PARTITION)
+        task.drain_reward_log()  # the draws read what they need of it; nothing else does here
+        rows = batch.meta
         n = rows.size
         tag = {TICKET_TAG: ticket["ticket"], VERSION_TAG: version, CALLS_TAG: batch.staged_calls,
                FAILED_TAG: batch.failed_calls, "target": ticket["target"], "worker": spec.index,
-               SLOT_TAG: ticket["slot"]}
+               SLOT_TAG: ticket["slot"], **figure_tags(batch.figures)}
         client.put_samples(
             partition_id=ROLLOUTS_PARTITION,
             sample_ids=rows.sample_ids,

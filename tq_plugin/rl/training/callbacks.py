@@ -163,8 +163,8 @@ class PeriodicCheckpoint:
     ``checkpoints/last.ckpt`` (the same file, linked). A run killed without a SIGTERM (SIGKILL,
     a lost node) resumes from the last one with ``ckpt_path``.
 
-    The recipe's step hook calls :meth:`save_if_due` where ``SigtermStop`` saves, after every
-    callback has advanced its cursor for the microbatch, so the resume cursor, the data plane's
+    :class:`StepHooks` calls :meth:`save_if_due` where ``SigtermStop`` saves, after every
+    other callback has advanced its cursor for the microbatch, so the resume cursor, the data plane's
     last step meta (the next step, already prepared) and the metrics describe the same
     position. Each file is written under a temporary name and renamed: a kill mid-save leaves
     the previous checkpoint whole.
@@ -194,4 +194,35 @@ class PeriodicCheckpoint:
         self.saved.append(path)
 
 
-__all__ = ["PeriodicCheckpoint", "RLStepCallback", "SigtermStop"]
+class StepHooks(Callback):
+    """The recipe's work after each microbatch trains, as a callback Lightning calls (the last
+    of the recipe's, so every other callback has advanced its cursor for the microbatch): book
+    the microbatch's figures into the step ``metrics``, the ``periodic`` checkpoint, the HF
+    policy every ``save_hf_every`` RL steps (``save_hf(directory)`` into
+    ``checkpoints_dir/hf-step-<n>``) and the ``sigterm`` stop.
+
+    The microbatch's figures are the module's (``RLModule.microbatch_stats``)."""
+
+    def __init__(self, *, metrics: MetricsLog, periodic: PeriodicCheckpoint, sigterm: SigtermStop,
+                 save_hf_every: int | None, save_hf: Callable[[Path], Any],
+                 checkpoints_dir: Path) -> None:
+        self.metrics, self.periodic, self.sigterm = metrics, periodic, sigterm
+        self.save_hf_every, self.save_hf = save_hf_every, save_hf
+        self.checkpoints_dir = Path(checkpoints_dir)
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        self.after_microbatch(trainer, pl_module.dp_meta, pl_module.microbatch_stats())
+
+    def after_microbatch(self, trainer: Trainer, meta: Any, stats: dict[str, float]) -> None:
+        self.metrics.on_microbatch(meta, stats)
+        info = meta.extra_info[MICROBATCH_INFO]
+        self.periodic.save_if_due(trainer, info)
+        finished = int(info["step"]) + 1
+        if self.save_hf_every and info["last_in_step"] and finished % self.save_hf_every == 0:
+            self.save_hf(self.checkpoints_dir / f"hf-step-{finished:06d}")
+        self.sigterm.stop_if_requested(trainer)
+
+
+__all__ = ["PeriodicCheckpoint", "RLStepCallback", "SigtermStop", "StepHooks"]

@@ -16,7 +16,7 @@ per-batch token mean, is the one type that depends on the cut, as it does in TRL
 The loss is :func:`tq_plugin.rl.algorithms.losses.policy_objective`: ``recipe.loss_type``'s
 per-token terms (weighted by the importance-sampling correction where ``correct_is``:
 disaggregated workers' older weights, an engine's other kernels), plus ``beta`` times the KL to
-the frozen reference (``recipe.beta > 0``: ``ref_logprobs``, written by the no-grad pass); then
+the frozen reference (``recipe.beta > 0``: ``reference_policy_logprobs``, written by the no-grad pass); then
 PPO's clipped value loss (a token mean) and the entropy bonus. ``clipfrac`` counts the action
 tokens whose ratio the clamp changed, ``clip_low`` / ``clip_high`` those whose gradient either
 clip took, ``approx_kl`` is the mean of ``r - 1 - log r``, ``kl_ref`` the mean reference KL.
@@ -41,6 +41,7 @@ from tq_plugin.data_plane import (
     INPUT_IDS,
     INPUT_LENGTHS,
     PREV_LOGPROBS,
+    REFERENCE_POLICY_LOGPROBS,
     RETURNS,
     SAMPLE_MASK,
     TOKEN_MASK,
@@ -61,6 +62,7 @@ from tq_plugin.rl.algorithms.losses import (
     is_correction_weights,
     policy_objective,
 )
+from tq_plugin.rl.algorithms.registry import advantage_estimator_name
 from tq_plugin.rl.models.fsdp import shard_model
 from tq_plugin.rl.models.protocol import TokenScoring, score_tokens
 from tq_plugin.rl.models.tiny import TinyTransformer, shift_values
@@ -76,7 +78,6 @@ from tq_plugin.rl.training.metrics import (
 )
 from tq_plugin.rl.training.ranks import reduce_over_ranks
 from tq_plugin.rl.training.step_record import (
-    REF_LOGPROBS,
     RL_STEP,
     STEP_FIGURES,
     TURN_REWARDS,
@@ -120,22 +121,21 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         recipe: RecipeConfig,
         packing: PackingConfig,
         media: bool = False,
-        correct_is: bool | None = None,
+        correct_is: bool = False,
+        on_policy: bool = True,
     ) -> None:
         super().__init__()
         self.policy = policy
         self.value = value
         self.rc = recipe
         self.media = media
-        # Whether recipe.is_correction weights the policy loss; None: for disaggregated runs,
-        # whose rows come from older weights (colocated rows come from the trained weights).
-        # The recipe also turns it on for the hf and vllm engines.
-        if correct_is is None:
-            correct_is = recipe.topology == "disaggregated"
+        # Whether recipe.is_correction weights the policy loss: the recipe turns it on where
+        # the rows' generating policy is not the trained module (an off-policy step source's
+        # older weights, the hf and vllm engines' other kernels).
         self.is_mode = recipe.is_correction.mode if correct_is else "none"
-        # Colocated rows are on-policy: their IS figures stay near 1 and 0 unless the engine
-        # serves other weights (warn_if_unsynced).
-        self.on_policy = recipe.topology != "disaggregated"
+        # On-policy rows (the step source generates with the trained weights): their IS
+        # figures stay near 1 and 0 unless the engine serves other weights (warn_if_unsynced).
+        self.on_policy = on_policy
         self._off_band_steps = 0
         self.cfg = packing.model_cfg()
         self.logprob_chunk_tokens = packing.logprob_chunk_tokens
@@ -145,12 +145,12 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         # What a training microbatch reads; other passes read what their meta names.
         self.train_fields = POLICY_TRAIN_FIELDS + (VALUE_TRAIN_FIELDS if value is not None else [])
         # recipe.beta > 0: a frozen copy of the initial policy (or recipe.reference_path's
-        # weights), whose logprobs the step's no-grad pass writes as ref_logprobs. A submodule,
+        # weights), whose logprobs the step's no-grad pass writes as reference_policy_logprobs. A submodule,
         # so a resumed run's checkpoint brings it back; never trained, never sharded.
         self.reference = build_reference(policy, recipe) if recipe.beta > 0 else None
         if self.reference is not None:
-            self.train_fields = [*self.train_fields, REF_LOGPROBS]
-        self.step_hook: Any = None  # called with (meta, stats) after each microbatch
+            self.train_fields = [*self.train_fields, REFERENCE_POLICY_LOGPROBS]
+        self._mb_booked: dict[str, float] | None = None  # microbatch_stats, once a microbatch
         self.train_seconds = 0.0
         # Set by the recipe's step callback before each microbatch trains, from the step's meta
         # (read per microbatch: the meta, not the module, holds each step's values).
@@ -180,7 +180,7 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         """One no-grad pass over the step, written back through the data plane.
 
         ``role="policy"`` writes ``prev_logprobs``, ``role="reference"`` (``recipe.beta > 0``) the
-        frozen reference's ``ref_logprobs``, ``role="value"`` writes ``values``. The pass
+        frozen reference's ``reference_policy_logprobs``, ``role="value"`` writes ``values``. The pass
         runs on its own isolated meta (so the value model's pad target never comes from the
         policy's dispatch), in microbatches under the ``logprob_mb_tokens`` budget and in the
         training layout; each microbatch's output goes back as rows (``dp_rows``). The columns
@@ -192,7 +192,7 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         forwards (each one a collective) pair up.
         """
         model, field, task = {"policy": (self.policy, PREV_LOGPROBS, "prev_lp"),
-                              "reference": (self.reference, REF_LOGPROBS, "ref_lp"),
+                              "reference": (self.reference, REFERENCE_POLICY_LOGPROBS, "ref_lp"),
                               "value": (self.value, VALUES, "value_fwd")}[role]
         scores = role != "value"  # the policy and the reference score tokens
         was_training = model.training
@@ -242,7 +242,7 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         fields = [TOKEN_MASK, SAMPLE_MASK, TOTAL_REWARD, TURN_REWARDS, INPUT_LENGTHS]
         td = self.read_from_dataplane(meta, select_fields=[*fields, *([VALUES] if ppo else [])])
         adv, returns = compute_advantages(
-            "ppo" if ppo else "grpo", mask=td[TOKEN_MASK] * td[SAMPLE_MASK].unsqueeze(1),
+            advantage_estimator_name(self.rc), mask=td[TOKEN_MASK] * td[SAMPLE_MASK].unsqueeze(1),
             total_reward=td[TOTAL_REWARD], turn_rewards=td[TURN_REWARDS],
             values=td[VALUES] if ppo else None, group_size=self.rc.group_size,
             gamma=self.rc.gamma, lam=self.rc.gae_lambda, scale_rewards=self.rc.scale_rewards)
@@ -283,6 +283,7 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> Any:
         self._mb_start = time.perf_counter()
+        self._mb_booked = None
         return super().on_train_batch_start(batch, batch_idx)
 
     def training_step(self, td: Any, batch_idx: int) -> dict[str, Any]:
@@ -305,7 +306,8 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
             rc.loss_type, lp, old, td[ADVANTAGES], mask, norm=norm, microbatches=microbatches,
             sequence_ids=seq_ids, clip_eps=rc.clip_eps, clip_eps_high=rc.clip_eps_high,
             cispo_cap=rc.cispo_cap, level=rc.importance_sampling_level, weights=is_w,
-            ref_logprobs=td[REF_LOGPROBS] if self.reference is not None else None, beta=rc.beta,
+            ref_logprobs=td[REFERENCE_POLICY_LOGPROBS] if self.reference is not None else None,
+            beta=rc.beta,
             kl_estimator=rc.kl_estimator)
         ent = ent * mask
         if self.rc.entropy_coef:
@@ -350,16 +352,22 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
                 else record_loss_norm(rl, self.rc.loss_type, self.rc.max_new_tokens) / world)
         return norm, record_loss_norm(rl, "dapo", self.rc.max_new_tokens) / world
 
+    def microbatch_stats(self) -> dict[str, float]:
+        """The microbatch just trained, booked once (forward, backward and, on a global batch's
+        last, the optimizer step): its loss figures, seconds and the data plane's counts. The
+        recipe's ``StepHooks`` callback reads it before this module's own hook logs it."""
+        if self._mb_booked is None:
+            elapsed = (time.perf_counter() - self._mb_start
+                       + self.dp_batch_stats.get("layout_s", 0.0))
+            self.train_seconds += elapsed
+            self._mb_booked = {**self._mb_stats, "seconds": elapsed, **self.dp_batch_stats,
+                               "peak_mem_mb": peak_memory_mb(self.device)}
+        return self._mb_booked
+
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """Book the microbatch (forward, backward and, on a global batch's last, the step)."""
+        """Log the microbatch's figures once per global batch."""
         meta = self.dp_meta
-        elapsed = time.perf_counter() - self._mb_start + self.dp_batch_stats.get("layout_s", 0.0)
-        self.train_seconds += elapsed
-        stats = {**self._mb_stats, "seconds": elapsed, **self.dp_batch_stats,
-                 "peak_mem_mb": peak_memory_mb(self.device)}
-        if self.step_hook is not None:
-            self.step_hook(meta, stats)
-        self._log_global_batch(meta.extra_info[MICROBATCH_INFO], stats,
+        self._log_global_batch(meta.extra_info[MICROBATCH_INFO], self.microbatch_stats(),
                                batch_size=max(meta.size, 1))
 
     def _log_global_batch(self, info: dict[str, Any], stats: dict[str, float],

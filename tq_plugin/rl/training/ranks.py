@@ -52,7 +52,7 @@ CLUSTER_ADDRESS_ENV = "TQ_PLUGIN_CLUSTER_ADDRESS"
 
 
 def check_parallel_run(trainer: Any, *, backend: Any, global_batch: int,
-                       save_artifacts: bool, topology: str = "colocated") -> None:
+                       save_artifacts: bool, workers_generate: bool = False) -> None:
     """Refuse, before anything is built, a trainer setup the recipe cannot run correctly.
 
     One process per device: ``ddp`` and the sharded presets take any number of CPU ranks or
@@ -70,7 +70,8 @@ def check_parallel_run(trainer: Any, *, backend: Any, global_batch: int,
         raise ConfigError(f"trainer.accelerator: the recipes run on the CPU or CUDA GPUs "
                           f"(trainer=cpu, gpu, ddp_cpu, fsdp_cpu, fsdp); got {accelerator}")
     if strategy == "ModelParallelStrategy":
-        check_sharded_run(trainer.strategy, world=world, backend=backend, topology=topology)
+        check_sharded_run(trainer.strategy, world=world, backend=backend,
+                          workers_generate=workers_generate)
     if world == 1:
         return
     if global_batch % world:
@@ -98,15 +99,17 @@ def is_sharded_run(trainer: Any) -> bool:
     return trainer.world_size > 1 and type(trainer.strategy).__name__ == "ModelParallelStrategy"
 
 
-def check_sharded_run(strategy: Any, *, world: int, backend: Any, topology: str) -> None:
+def check_sharded_run(strategy: Any, *, world: int, backend: Any,
+                      workers_generate: bool = False) -> None:
     """Refuse a ``ModelParallelStrategy`` run the recipe cannot honour, naming the key.
 
     FSDP2 shards every parameter over the ranks, so every forward is a collective: each step's
     rollouts and no-grad passes must run on every rank in lockstep, which the embedded store's
     replay does (every rank generates the same step) and a rank-0-only step does not (a shared
-    store's rank 0: the other ranks would never join its gathers). The disaggregated topology
-    runs: its workers generate, and every trainer rank joins the step's no-grad passes and the
-    weights' gathers (``tq_plugin.rl.topology.disaggregated``)."""
+    store's rank 0: the other ranks would never join its gathers). A step source whose
+    ``workers_generate`` (the disaggregated topology) runs: its workers generate, and every
+    trainer rank joins the step's no-grad passes and the weights' gathers
+    (``tq_plugin.rl.topology.disaggregated``)."""
     tp = getattr(strategy, "_tensor_parallel_size", 1)
     if tp not in (1, "auto") or (tp == "auto" and world > 1):
         raise ConfigError(f"trainer.strategy.tensor_parallel_size={tp}: the recipes shard with "
@@ -117,7 +120,7 @@ def check_sharded_run(strategy: Any, *, world: int, backend: Any, topology: str)
                           f"ranks ({world}: trainer.devices x trainer.num_nodes)")
     if world == 1:
         return
-    if topology == "disaggregated":
+    if workers_generate:
         return
     replayed = issubclass(get_class(backend._target_), _local_store())
     if not replayed:

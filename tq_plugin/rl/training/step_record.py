@@ -20,9 +20,6 @@ TURN_REWARDS = "turn_rewards"
 # extra entry of a record: the step's own figures, logged as they are (rewards/<name>/mean,
 # rewards/<name>/std, rewards/unscorable, sampling/*), and columns of metrics.csv.
 STEP_FIGURES = "figures"
-# The frozen reference policy's logprobs of the action tokens (recipe.beta > 0), written by the
-# step's no-grad pass.
-REF_LOGPROBS = "ref_logprobs"
 # The columns :func:`action_tokens_and_gap` reads.
 GAP_FIELDS = (TOKEN_MASK, SAMPLE_MASK, GENERATION_LOGPROBS, PREV_LOGPROBS)
 
@@ -66,5 +63,5 @@ def record_loss_norm(record: dict[str, Any], loss_type: str, max_new_tokens: int
                            max_completion_tokens=max(1, max_new_tokens * record["turns"]))
 
 
-__all__ = ["GAP_FIELDS", "REF_LOGPROBS", "RL_STEP", "STEP_FIGURES", "TURN_REWARDS", "action_tokens_and_gap",
+__all__ = ["GAP_FIELDS", "RL_STEP", "STEP_FIGURES", "TURN_REWARDS", "action_tokens_and_gap",
            "record_loss_norm", "step_record"]
