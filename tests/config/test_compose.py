@@ -129,6 +129,14 @@ def test_option_composes_validates_and_instantiates(compose_train, tmp_path, gro
         (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "2+2?", "answer": "4"}) + "\n")
         with pytest.raises(InstantiationException, match="task.agent._target_: task=agent needs"):
             instantiate(node, path=str(tmp_path / "p.jsonl"))  # no agent named yet
+    elif group == "task" and option == "reasoning_gym":
+        pytest.importorskip("reasoning_gym", reason="the gym extra is not installed")
+        from tq_plugin.rl.tasks.tiny_text import train_tokenizer
+
+        train_tokenizer(["12 + 34 - 5 = 41"]).save_pretrained(str(tmp_path / "tok"))
+        task = instantiate(node, tokenizer=str(tmp_path / "tok"), size=8, eval_size=4)
+        assert len(task.rows) == 8 and len(task.eval_rows) == 4
+        assert [r.name for r in task.rewards] == ["score"]
     elif group == "task":
         task = instantiate(node)
         assert task.vocab_size > task.num_symbols

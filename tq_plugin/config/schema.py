@@ -277,6 +277,61 @@ class PromptsTaskConfig:
                 _fail(key, f"must be a {{_target_, weight}} node, got {spec!r}")
 
 
+REASONING_GYM_ANSWER_FORMATS = ("last_number", "last_line", "answer_tag")
+
+
+@dataclass
+class ReasoningGymTaskConfig:
+    """``task=reasoning_gym``: questions from a reasoning-gym generator (the ``gym`` extra),
+    scored by its own ``score_answer`` on the extracted answer, with a held-out split of its own
+    (``tq_plugin.rl.tasks.reasoning_gym``)."""
+
+    _target_: str = "tq_plugin.rl.tasks.reasoning_gym.ReasoningGymTask"
+    _recursive_: bool = False
+    name: str = "reasoning_gym"
+    # A reasoning-gym dataset name (reasoning_gym.factory.DATASETS): chain_sum, basic_arithmetic,
+    # countdown, gsm_symbolic, ...
+    dataset: str = "chain_sum"
+    # Training rows: create_dataset(dataset, size=size, seed=dataset_seed, **config).
+    size: int = 1000
+    # Not task.seed: the recipe hands recipe.seed to the task as seed (the draw order).
+    dataset_seed: int = 0
+    # Held-out rows for recipe.eval_every, from eval_seed (None: dataset_seed + size), never a
+    # training question.
+    eval_size: int = 64
+    eval_seed: int | None = None
+    # The generator's own options: +task.config.min_digits=2 +task.config.max_terms=3
+    config: Any = field(default_factory=dict)
+    # A local tokenizer directory with a chat template; the config's default is the model's.
+    tokenizer: str | None = None
+    system_prompt: str | None = None
+    # What follows the question in the user message; None: the answer format's own request.
+    instruction: str | None = None
+    # last_number, last_line, or answer_tag (inside <answer></answer>).
+    answer_format: str = "last_number"
+    # Weight of a reward worth 1 when an answer could be extracted; 0: off.
+    format_bonus: float = 0.0
+    # More reward functions, as task=prompts' task.rewards.<name>.
+    rewards: Any = field(default_factory=dict)
+    turns: int = 1
+    feedback_good: str = " Correct."
+    feedback_bad: str = " Try again."
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.dataset:
+            _fail("task.dataset", "must name a reasoning-gym dataset (e.g. chain_sum)")
+        _positive("task.size", self.size)
+        _positive("task.eval_size", self.eval_size, allow_zero=True)
+        _positive("task.turns", self.turns)
+        _one_of("task.answer_format", self.answer_format, REASONING_GYM_ANSWER_FORMATS)
+        if self.config is not None and not isinstance(self.config, dict):
+            _fail("task.config", f"must be a node of the generator's options, got {self.config!r}")
+        for key, spec in (self.rewards or {}).items():
+            if not isinstance(spec, dict):
+                _fail(f"task.rewards.{key}", f"must be a {{_target_, weight}} node, got {spec!r}")
+
+
 @dataclass
 class AgentTaskConfig:
     """``task=agent``: a local dataset of problems, each handed whole to the user's agent
@@ -443,7 +498,8 @@ EXTRA_SCHEMAS: dict[str, type] = {"backend_ray": RayBackendConfig,
                                   "backend_transferqueue": TransferQueueBackendConfig,
                                   "model_hf_causal_lm": HFCausalLMConfig,
                                   "task_prompts": PromptsTaskConfig,
-                                  "task_agent": AgentTaskConfig}
+                                  "task_agent": AgentTaskConfig,
+                                  "task_reasoning_gym": ReasoningGymTaskConfig}
 
 # Schemas are stored as root configs, not in a group: a group would be listed in every Hydra
 # app's --help (the plugin registers them on every start), and a schema is not an option.
