@@ -32,7 +32,7 @@ def test_a_ray_worker_generates_with_its_own_hf_engine_at_the_published_weights(
     try:
         recipe.train()
     finally:
-        recipe.disaggregated.stop()
+        recipe.source.stop()
     with open(tmp_path / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert [int(r["step"]) for r in rows] == [0, 1, 2]

@@ -374,7 +374,7 @@ class KillWorker(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.killed is None and pl_module.dp_meta.extra_info[MICROBATCH_INFO]["step"] == self.at:
-            self.killed = self.recipe.disaggregated.procs[self.k].pid
+            self.killed = self.recipe.source.procs[self.k].pid
             os.kill(self.killed, signal.SIGKILL)
 
 
@@ -390,9 +390,8 @@ def _run(tmp_path: Path, *overrides: str, kill: tuple[int, int] | None = None,
     try:
         recipe.train()
     finally:
-        if recipe.disaggregated is not None:
-            recipe.disaggregated.stop()
-    procs = recipe.disaggregated.procs
+        recipe.source.stop()
+    procs = recipe.source.procs
     assert procs and not any(p.is_alive() for p in procs), "a worker outlived the trainer"
     assert all(type(p).__name__ == "RayActorHandle" for p in procs), "workers are Ray actors"
     result = json.loads((tmp_path / "result.json").read_text())
@@ -410,7 +409,7 @@ def test_two_worker_grpo_run(tmp_path, ray_session):
     # Weights went out after every optimizer step (2 per RL step), the last as version 4.
     from tq_plugin.rl.topology.exchange import parse_weights_id
 
-    assert [parse_weights_id(i) for i in recipe.disaggregated.publisher.published][-2:] == \
+    assert [parse_weights_id(i) for i in recipe.source.publisher.published][-2:] == \
         [(7, 3), (8, 4)]
     assert result["status"] == "ok" and result["steps"] == 4 and len(rows) == 4
     assert result["topology"] == "disaggregated" and result["workers_lost"] == 0
@@ -420,6 +419,28 @@ def test_two_worker_grpo_run(tmp_path, ray_session):
         assert float(r["trainer_wait_s"]) >= 0 and int(r["workers_alive"]) == 2
     assert int(rows[-1]["staleness_max"]) == 1  # rows were generated while the trainer trained
     assert float(rows[-1]["rollout_calls_per_s"]) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.usefixtures("_clean_hydra")
+def test_the_reference_kl_and_reward_shaping_run_disaggregated(tmp_path, ray_session):
+    """recipe.beta, the truncation mask, the overlong penalty and dynamic sampling together on
+    two workers: the reference pass runs in the trainer's step tail, the shaping and the draws
+    in each worker's draw loop (its chunk), and their figures reach every step's row."""
+    _, result, rows, _ = _run(
+        tmp_path, "recipe.rollout_workers=2", "recipe.num_steps=3", "recipe.ppo_epochs=2",
+        "recipe.beta=0.04",
+        "recipe.mask_truncated_completions=true", "recipe.overlong_buffer=2",
+        "recipe.dynamic_sampling=true")
+    assert result["status"] == "ok" and result["steps"] == 3 and result["workers_lost"] == 0
+    assert [int(r["step"]) for r in rows] == [0, 1, 2]
+    for r in rows:
+        # Two epochs: even step 0 trains its second on a policy off the reference.
+        assert float(r["kl_ref"]) > 0, r
+        assert 0 <= float(r["completions/truncated_fraction"]) <= 1
+        assert float(r["rewards/overlong_penalty/mean"]) <= 0
+        assert float(r["sampling/draws"]) >= 1
 
 
 @pytest.mark.slow
@@ -451,7 +472,7 @@ def test_two_worker_run_on_transferqueue(tmp_path, tq_session):
 
     # weights_every=rl_step: one publish per RL step (versions 0..3), none after the step's
     # first optimizer step.
-    assert [parse_weights_id(i) for i in recipe.disaggregated.publisher.published] == \
+    assert [parse_weights_id(i) for i in recipe.source.publisher.published] == \
         [(2, 2), (3, 3)]
     assert result["status"] == "ok" and result["steps"] == 3 and result["workers_lost"] == 0
     assert [int(r["step"]) for r in rows] == [0, 1, 2]

@@ -5,20 +5,16 @@ A task is what the rollout worker samples episodes from and scores them with, an
 the models (its vocabulary, its special token ids). Subclass :class:`Task` and fill in the
 abstract members; override a hook only where the task has something to say:
 
-==================  =========================================================================
-hook                default
-==================  =========================================================================
-``set_step``        nothing (a task whose reward reads the RL step: ``trainer_state``)
-``seek``            nothing (a task with a prompt stream: a disaggregated worker's slot)
-``reward_log``      empty (a task that keeps each score call: per-reward figures, NaN rewards)
-``drain_reward_log``  ``[]``
-``stateful``        ``False``; ``True``: ``state_dict`` / ``load_state_dict`` ride the
-                    Lightning checkpoint (:class:`~tq_plugin.rl.tasks.prompts.TaskState`)
-``rollout_driver``  ``None``: a ``RolloutWorker`` runs the task's episodes; else the task's own
-                    driver (``task=agent`` serves the engine to the user's agent)
-``evaluates``       ``False``; ``True`` with ``evaluate``: ``recipe.eval_every`` scores it
-``check_recipe``    accepts every recipe
-==================  =========================================================================
+* ``set_step``: nothing (a task whose reward reads the RL step: ``trainer_state``);
+* ``seek``: nothing (a task with a prompt stream: a disaggregated worker's slot);
+* ``reward_log``: empty (a task that keeps each score call: per-reward figures, NaN rewards);
+  ``drain_reward_log``: ``[]``;
+* ``stateful``: ``False``; ``True``: ``state_dict`` / ``load_state_dict`` ride the Lightning
+  checkpoint (:class:`~tq_plugin.rl.tasks.prompts.TaskState`);
+* ``rollout_driver``: ``None``, a ``RolloutWorker`` runs the task's episodes; else the task's
+  own driver (``task=agent`` serves the engine to the user's agent);
+* ``evaluates``: ``False``; ``True`` with ``evaluate``: ``recipe.eval_every`` scores it;
+* ``check_recipe``: accepts every recipe.
 
 A task built from a dataset file of prompts subclasses
 :class:`~tq_plugin.rl.tasks.prompts.DatasetTask` (the rows, the tokenizer, the seeded prompt

@@ -4,24 +4,20 @@ step's rollouts itself, between RL steps, with the weights it trains.
 Each RL step (``prepare_step``, called by the ``MetaDataModule`` inside the fit's dataloader):
 
 1. the rollout engine (``engine=native|hf|vllm``) is brought to the trainer's weights of the step
-   (``rl/weight_sync_s``) and generates multi-turn rollouts, every call staged through
-   ``TQTokenSink`` with the engine's own tokens, logprobs and weight version;
-2. ``RolloutReassembler.finalize_group`` verifies the staged calls against the receipts and
-   writes the training rows into the train partition, returning the meta;
-3. per-turn rewards, ``prev_logprobs`` (policy), ``ref_logprobs`` (the frozen reference,
-   ``recipe.beta > 0``) and ``values`` (PPO's value model) are written back through the data
-   plane; the advantages are computed from columns read back and written too
-   (``RLModule.write_advantages``).
+   (``rl/weight_sync_s``);
+2. the step's :class:`~tq_plugin.rl.training.pipeline.DrawLoop` (the generation side of every
+   topology) runs the draws: multi-turn rollouts, every call staged through ``TQTokenSink``
+   with the engine's own tokens, logprobs and weight version,
+   ``RolloutReassembler.finalize_group`` writing the training rows into the train partition,
+   the reward shaping (unscorable rows, ``recipe.mask_truncated_completions``,
+   ``recipe.overlong_buffer``) and ``recipe.dynamic_sampling``'s further draws;
+3. the step's :class:`~tq_plugin.rl.training.pipeline.StepTail` (the trainer side of every
+   topology) writes the per-turn rewards, ``prev_logprobs`` (policy),
+   ``reference_policy_logprobs`` (the frozen reference, ``recipe.beta > 0``) and ``values``
+   (PPO's value model) back through the data plane, then the advantages and the step record.
 
-Reward shaping and selection, per draw of rollouts (:meth:`Colocated.draw`):
-``recipe.mask_truncated_completions`` zeroes the ``sample_mask`` of rows whose last generated
-token is not the stop token (their reward still enters the group baseline);
-``recipe.overlong_buffer`` adds DAPO's soft overlong penalty to ``total_reward``;
-``recipe.dynamic_sampling`` drops the groups whose rewards are all equal (cleared from the data
-plane at once) and draws more prompts until ``prompts_per_step`` groups are kept or
-``recipe.max_draws`` draws were made, then fills the rest with the last draw's zero-signal groups
-(``sampling/*`` in the metrics). A task with a reward log (``task=prompts``) gets its per-reward
-figures (``rewards/<name>/mean``, ``/std``) into the step record, and every
+A task with a reward log (``task=prompts``) gets its per-reward figures
+(``rewards/<name>/mean``, ``/std``) into the step record, and every
 ``recipe.log_completions_every`` steps a few sample completions into ``completions.jsonl`` and
 the loggers that take text.
 

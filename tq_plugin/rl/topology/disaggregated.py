@@ -23,7 +23,9 @@ writes then stay in the trainer's process). What the trainer does with the rows:
    newest before each ticket.
    Lightning prepares step ``s + 1`` before step ``s``'s last microbatch trains, so generation
    that overlaps training lags by at least one step: ``S >= 1``.
-2. ``prev_logprobs`` (the policy the step starts from), advantages (as colocated), then the
+2. the step's :class:`~tq_plugin.rl.training.pipeline.StepTail`, as colocated:
+   ``prev_logprobs`` (the policy the step starts from), ``reference_policy_logprobs`` (the
+   frozen reference, ``recipe.beta > 0``), PPO's ``values``, the advantages; then the
    **importance-sampling correction** in the policy loss (``RLModule``, ``recipe.is_correction``;
    by default ``token_tis``): each action token's clipped policy-gradient term is multiplied by
    ``w = min(exp(prev_logprobs - generation_logprobs), cap)`` (``cap``: ``is_correction.cap``,
@@ -34,6 +36,14 @@ writes then stay in the trainer's process). What the trainer does with the rows:
    2.0 (``recipe.is_truncation``): on the GRPO pattern task (2 workers, ``max_staleness=1``,
    seeds 0-2, 120 steps, the preset's lr 7e-4) it took the last-20-step reward from 0.31 (cap
    1.0) to 0.45, against 0.54 colocated (``docs/CONTRIBUTING.md``, known gaps).
+
+Each worker runs a :class:`~tq_plugin.rl.training.pipeline.DrawLoop` per ticket, so the reward
+shaping (``recipe.mask_truncated_completions``, ``recipe.overlong_buffer``) and
+``recipe.dynamic_sampling`` run where the groups are generated, per chunk: a worker draws until
+its chunk's groups have reward variance. With a dataset task the extra draws read the prompts
+after the slot's, so under dynamic sampling a prompt may be drawn twice across the run. The
+draws' figures ride the chunk's tags (``fig:<name>``); the collector averages fractions and
+means by rows and sums counts into the step's figures (``collector.chunk_figures``).
 
 Tickets (``tq_plugin.rl.topology.staleness.TicketLedger``): the trainer orders chunks of
 ``prompts_per_step / K`` prompts (whole groups; each a slot of the run's prompt stream, whose
@@ -55,7 +65,8 @@ resumed trainer opens a new store, publishes its weights as the version of the s
 finished, starts new workers, and orders again every slot from the first step it prepares (the
 rows in flight died with the old store; a slot draws the same prompts whoever generates it), with
 ticket numbers above every one used before (row ids are built from them). So every prompt group
-of steps ``0..num_steps-1`` trains exactly once across the runs, and the staleness bound holds
+of steps ``0..num_steps-1`` trains exactly once across the runs (every slot, under dynamic
+sampling), and the staleness bound holds
 (``tests/rl/topology/test_async_resume.py``).
 
 metrics.csv gains ``staleness_max``, ``staleness_mean``, ``rows_dropped_stale``,

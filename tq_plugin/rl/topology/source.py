@@ -8,7 +8,9 @@ SIGTERM stop) before the trainer is built, and the trainer's shape after (:meth:
 What it declares (class attributes) and answers (methods) is all the recipe asks of it. A new
 topology (in-flight updates, say) subclasses :class:`StepSource` and registers itself with
 :func:`register_step_source`; the config's ``recipe.topology`` then selects it
-(:func:`tq_plugin.rl.topology.sources.build_step_source`).
+(:func:`tq_plugin.rl.topology.sources.build_step_source`). The torch-free config schema checks
+``recipe.topology`` against its own list (``TOPOLOGIES`` in ``tq_plugin/config/recipe_schema.py``),
+which the new name joins.
 """
 
 from __future__ import annotations
