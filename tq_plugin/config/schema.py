@@ -456,8 +456,10 @@ class EngineConfig:
     name: str = "native"
     # hf / vllm: the engine's copy of the weights (float32 matches the trainer's logprobs).
     dtype: str = "float32"
-    # vllm: the KV cache's size (on CPU vLLM otherwise asks for most of the memory).
-    kv_cache_memory_bytes: int = 64 << 20
+    # vllm: the KV cache's size in bytes; None sizes it from the run (a step's sequences at its
+    # longest prompt + recipe.max_new_tokens: tq_plugin.rollout.engines.vllm.engine_sizes). On
+    # CPU vLLM would otherwise ask for most of the memory.
+    kv_cache_memory_bytes: int | None = None
     enforce_eager: bool = True
     # processed_logprobs: after temperature and the allowed-token restriction (what the trainer
     # recomputes); raw_logprobs would be the unscaled log-softmax.
@@ -469,7 +471,8 @@ class EngineConfig:
         _one_of("engine.name", self.name, ENGINES)
         _one_of("engine.dtype", self.dtype, ENGINE_DTYPES)
         _one_of("engine.logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
-        _positive("engine.kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        if self.kv_cache_memory_bytes is not None:
+            _positive("engine.kv_cache_memory_bytes", self.kv_cache_memory_bytes)
         _positive("engine.threads", self.threads, allow_zero=True)
 
 

@@ -18,10 +18,13 @@ from tq_plugin.rollout.engines.native import NativeEngine
 
 def build_engine(options: Any, *, model: nn.Module | None = None,
                  checkpoint: str | Path | None = None, max_model_len: int = 0,
-                 weight_version: int = 0) -> RolloutEngine:
+                 max_num_seqs: int = 0, weight_version: int = 0) -> RolloutEngine:
     """The engine ``options.name`` names (an ``EngineConfig``), serving ``model`` (``native``)
     or the HF checkpoint directory ``checkpoint`` (``hf``, ``vllm``), holding
-    ``weight_version``. Raises :class:`EngineError` naming ``engine`` when it cannot be built."""
+    ``weight_version``. ``vllm`` sizes its context and KV cache from ``max_model_len`` (the
+    run's longest sequence; 0: the checkpoint's) and ``max_num_seqs`` (a step's sequences)
+    unless ``options.kv_cache_memory_bytes`` is set (``engines.vllm.engine_sizes``). Raises
+    :class:`EngineError` naming ``engine`` when it cannot be built."""
     name = options.name
     if name not in ENGINES:
         raise EngineError(f"engine: must be one of {list(ENGINES)}, got {name!r}")
@@ -38,8 +41,9 @@ def build_engine(options: Any, *, model: nn.Module | None = None,
         return HFEngine(checkpoint, dtype=options.dtype, weight_version=weight_version)
     from tq_plugin.rollout.engines.vllm import VLLMEngine
 
-    return VLLMEngine(checkpoint, max_model_len=max_model_len, dtype=options.dtype,
-                      kv_cache_memory_bytes=options.kv_cache_memory_bytes,
+    return VLLMEngine(checkpoint, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                      dtype=options.dtype,
+                      kv_cache_memory_bytes=getattr(options, "kv_cache_memory_bytes", None),
                       enforce_eager=options.enforce_eager, logprobs_mode=options.logprobs_mode,
                       threads=options.threads, weight_version=weight_version)
 

