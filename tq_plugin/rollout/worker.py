@@ -161,7 +161,8 @@ class RolloutWorker:
             padded = torch.nn.utils.rnn.pad_sequence(
                 [torch.tensor(a if a else [0]) for a in answers], batch_first=True)
             scores[:, turn] = task.score(padded, lens, targets, target_lens)
-            carry = task.feedback(scores[:, turn])
+            if turn + 1 < task.turns:  # the environment replies before the next turn only
+                carry = task.feedback(scores[:, turn])
         rewards = scores.mean(dim=1)
         receipts = []
         for i in range(n):

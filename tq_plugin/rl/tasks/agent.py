@@ -109,6 +109,10 @@ class AgentTask(DatasetTask):
         longest = max(len(render(self.tokenizer, r[self.prompt_key])) for r in self.rows)
         return longest + max_new_tokens
 
+    def engine_context(self, max_new_tokens: int, model_max_len: int) -> int:
+        """An agent's calls may grow to ``task.max_context``, else the model's context."""
+        return self.max_context or model_max_len
+
     def sample(self, n: int, generator: torch.Generator) -> list[Any]:
         """The agent draws its own rows (:class:`AgentRunner`): no episodes to sample."""
         raise NotImplementedError("task=agent: rollouts run through its rollout_driver")

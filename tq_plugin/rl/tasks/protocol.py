@@ -39,6 +39,8 @@ class Task(ABC):
     pad_token_id: int
     image_token_id: int | None = None
     patch_dim: int = 0
+    # Whether episodes carry pixels (tq/staging=media); a text task leaves it False.
+    media: bool = False
     tokenizer: Any = None
     # A task that keeps its score calls (task=prompts) sets its own list.
     reward_log: Sequence[dict[str, Any]] = ()
@@ -68,6 +70,11 @@ class Task(ABC):
     def score(self, responses: torch.Tensor, response_lens: torch.Tensor,
               targets: torch.Tensor, target_lens: torch.Tensor) -> torch.Tensor:
         """Per-row reward of right-padded ``responses`` against the episodes' ``targets``."""
+
+    def engine_context(self, max_new_tokens: int, model_max_len: int) -> int:
+        """The context a rollout engine serves this task with: its longest episode (a task
+        whose calls may grow past it, an agent's, says more)."""
+        return self.max_sequence_length(max_new_tokens)
 
     def feedback(self, scores: torch.Tensor) -> list[list[int]]:
         """The environment's reply token ids after each row's turn (multi-turn tasks)."""

@@ -48,7 +48,7 @@ def build_model(cfg: DictConfig, task: Any, *, value_head: bool = False) -> nn.M
 
 
 def start_engine(cfg: DictConfig, policy: nn.Module, workdir: str | Path, *, weight_version: int,
-                 rank: int = 0, barrier: Any = None) -> Any:
+                 task: Any = None, rank: int = 0, barrier: Any = None) -> Any:
     """The rollout engine: ``policy`` itself (``engine=native``), or a copy started from the HF
     checkpoint of ``policy`` written to ``workdir/engine_init`` (``hf``, ``vllm``; by ``rank``
     0, the others waiting at ``barrier`` when several ranks generate)."""
@@ -57,8 +57,13 @@ def start_engine(cfg: DictConfig, policy: nn.Module, workdir: str | Path, *, wei
     if options.name != "native":
         checkpoint = write_engine_checkpoint(policy, Path(workdir) / "engine_init", rank=rank,
                                              barrier=barrier)
-    return build_engine(options, model=policy, checkpoint=checkpoint,
-                        max_model_len=int(cfg.model.max_seq_len), weight_version=weight_version)
+    # The engine's context and cache follow what the run needs (the task's longest call and a
+    # step's sequences), not the checkpoint's positions.
+    rc, model_len = cfg.recipe, int(cfg.model.max_seq_len)
+    context = model_len if task is None else task.engine_context(rc.max_new_tokens, model_len)
+    return build_engine(options, model=policy, checkpoint=checkpoint, max_model_len=context,
+                        max_num_seqs=int(rc.prompts_per_step) * int(rc.group_size),
+                        weight_version=weight_version)
 
 
 @dataclass

@@ -102,7 +102,7 @@ class Colocated(StepSource):
         self.tail = StepTail(m, rc=self.rc, turns=self.task.turns)
         if self.engine is None:
             self.engine = start_engine(
-                self.cfg, self.module.policy, self.output_dir, weight_version=0,
+                self.cfg, self.module.policy, self.output_dir, weight_version=0, task=self.task,
                 rank=trainer.global_rank,
                 barrier=trainer.strategy.barrier if self.replicated else None)
 

@@ -107,7 +107,7 @@ def _build(spec: WorkerSpec, workdir: str) -> tuple[Any, Any, Any, RolloutSide]:
         client = SplitClient(client, LocalDataPlane(), {ROLLOUTS_PARTITION})
     side = build_rollout_side(cfg, task, client)
     # Version -1 until the first publish loads: no ticket runs on the initial random weights.
-    engine = start_engine(cfg, policy, workdir, weight_version=-1)
+    engine = start_engine(cfg, policy, workdir, weight_version=-1, task=task)
     return task, policy, engine, side
 
 
