@@ -16,7 +16,7 @@ endif
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-fast bench sweep tiny-model real-model docs clean
+.PHONY: install run run-toy test test-fast bench sweep tiny-model real-model docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,8 +38,15 @@ $(STAMP): $(PY) pyproject.toml
 
 install: $(STAMP)
 
-# The main job: PPO on the embedded backend; results under outputs/ppo/<time>/.
-run: $(STAMP)
+# The main job: a real pretrained model (make real-model: SmolLM2-135M-Instruct) trained with
+# GRPO on a reasoning-gym task on the embedded store (conf/grpo_real.yaml); its summary prints
+# the held-out accuracy before -> after. Results under outputs/grpo_real/<time>/.
+RUN_ARGS ?=
+run: real-model
+	HF_HUB_OFFLINE=1 $(VENV)/bin/tq-train --config-name grpo_real model.pretrained_path=$(REAL_MODEL_OUT) $(RUN_ARGS)
+
+# The toy job the project started with: PPO on the synthetic pattern task (seconds, no model).
+run-toy: $(STAMP)
 	$(PY) recipes/ppo.py
 
 # One multirun over the packing settings; the comparison lands in the sweep dir. The tq_dedup

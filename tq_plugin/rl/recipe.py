@@ -355,8 +355,18 @@ class RLRecipe:
         self.metrics.steps = self.step_callback.restored + merged
         summary = self.metrics.summary(sum(t for _, t in per_rank))
         summary["engine"] = self.engine_cfg.name
-        if evaluated is not None:
+        opening = {k[len("eval/"):]: v for k, v in
+                   (self.metrics.steps[0].figures if self.metrics.steps else {}).items()
+                   if k.startswith("eval/")}
+        if opening:  # the first step's evaluation: the starting weights' held-out figures
+            summary["eval_first"] = opening
+        if evaluated:
             summary[EVAL] = evaluated
+            # The trained weights' evaluation closes the last step's row of metrics.csv (the
+            # plot's last eval point), as the step-0 one opens the first.
+            if self.metrics.steps:
+                self.metrics.steps[-1].figures.update(
+                    {f"eval/{k}": float(v) for k, v in evaluated.items()})
             for logger in trainer.loggers:
                 logger.log_metrics({f"eval/{k}": v for k, v in summary[EVAL].items()},
                                    step=trainer.global_step)

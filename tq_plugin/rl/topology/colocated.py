@@ -40,7 +40,7 @@ from tq_plugin.rl.models.weights import engine_weights
 from tq_plugin.rl.topology.build import build_rollout_side, start_engine
 from tq_plugin.rl.topology.source import StepSource, register_step_source
 from tq_plugin.rl.training import ranks
-from tq_plugin.rl.training.evaluation import EVAL, evaluate
+from tq_plugin.rl.training.evaluation import EVAL, evaluate, write_eval_completions
 from tq_plugin.rl.training.metrics import completion_rows, log_completions, reward_figures
 from tq_plugin.rl.training.pipeline import DrawLoop, RowIO, StepTail
 
@@ -125,16 +125,21 @@ class Colocated(StepSource):
             for logger in trainer.loggers:
                 logger.log_metrics({"rl/weight_sync_s": seconds}, step=trainer.global_step)
 
-    def evaluate(self) -> dict[str, float]:
-        """``recipe.eval_every``: the task's held-out prompts, greedy, on the engine's weights."""
-        return evaluate(self.task, self.engine, max_new_tokens=self.rc.max_new_tokens)
+    def evaluate(self, step: int) -> dict[str, float]:
+        """``recipe.eval_every``: the task's held-out prompts, greedy, on the engine's weights;
+        their completions appended to ``eval_completions.jsonl`` (rank 0)."""
+        figures = evaluate(self.task, self.engine, max_new_tokens=self.rc.max_new_tokens)
+        trainer = self.module._trainer if self.module is not None else None
+        if trainer is None or trainer.is_global_zero:
+            write_eval_completions(self.task, self.output_dir, step)
+        return figures
 
     def final_evaluation(self, trainer: Any) -> dict[str, float] | None:
         """The trained weights' evaluation (a sharded policy: every rank's forwards)."""
         if self.engine is None or not (self.sharded or trainer.is_global_zero):
             return None
         self.sync_engine(self.rc.num_steps)  # the trained weights
-        return self.evaluate()
+        return self.evaluate(self.rc.num_steps)
 
     def summary(self) -> dict[str, Any]:
         syncs = self.weight_sync_s
@@ -163,7 +168,7 @@ class Colocated(StepSource):
             self.start()
         m, rc = self.module, self.rc
         self.sync_engine(step)
-        evaluated = self.evaluate() if rc.eval_every and step % rc.eval_every == 0 else {}
+        evaluated = self.evaluate(step) if rc.eval_every and step % rc.eval_every == 0 else {}
         self.task.set_step(step, rc.num_steps)  # the reward functions' trainer_state
         t0 = time.perf_counter()
         batch = self.draws.run(self.engine, step=step, prompts=rc.prompts_per_step,

@@ -20,6 +20,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from tq_plugin.lightning import MICROBATCH_INFO
+from tq_plugin.rl.training.evaluation import EVAL
+from tq_plugin.rl.training.step_record import RL_STEP
 
 STEP_LOG = logging.getLogger("tq_plugin.steps")
 
@@ -109,13 +111,19 @@ def _figure(metrics: dict[str, Any], key: str) -> float | None:
 
 
 class StepLines(Callback):
-    """One line per RL step on rank 0 (reward, loss, KL, tokens/s, elapsed), at the step's last
-    microbatch, from the figures the module logged for it (``rl/*`` in the trainer's
-    ``callback_metrics``)."""
+    """One line per RL step on rank 0 (reward, loss, KL, tokens/s, held-out accuracy when the
+    step evaluated, elapsed), from the figures the module logged for it (``rl/*`` in the
+    trainer's ``callback_metrics``).
+
+    The module logs a step's figures in its own ``on_train_batch_end``, which Lightning calls
+    after every callback's: so the line of a step's last microbatch is written once they are
+    there, at the next microbatch's start (or the fit's end), with the elapsed time taken at
+    the step's end."""
 
     def __init__(self, num_steps: int) -> None:
         self.num_steps = num_steps
         self._t0 = time.perf_counter()
+        self._pending: tuple[int, float, dict[str, float]] | None = None
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -124,23 +132,46 @@ class StepLines(Callback):
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
-        info = pl_module.dp_meta.extra_info.get(MICROBATCH_INFO, {})
+        meta = pl_module.dp_meta
+        info = meta.extra_info.get(MICROBATCH_INFO, {})
         if not info.get("last_in_step") or not trainer.is_global_zero:
             return
-        STEP_LOG.info(self.line(int(info["step"]), trainer.callback_metrics))
+        evaluated = meta.extra_info.get(RL_STEP, {}).get(EVAL) or {}
+        self._pending = (int(info["step"]), time.perf_counter() - self._t0, dict(evaluated))
 
-    def line(self, step: int, metrics: dict[str, Any]) -> str:
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._flush(trainer)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._flush(trainer)
+
+    def _flush(self, trainer: Trainer) -> None:
+        if self._pending is None:
+            return
+        step, elapsed, evaluated = self._pending
+        self._pending = None
+        STEP_LOG.info(self.line(step, trainer.callback_metrics, elapsed=elapsed,
+                                evaluated=evaluated))
+
+    def line(self, step: int, metrics: dict[str, Any], *, elapsed: float | None = None,
+             evaluated: dict[str, float] | None = None) -> str:
         """``RL step 3/5 | reward 0.093 | loss -0.0120 | kl 3.10e-04 | tok/s 14204 | 2.1 s``: the KL
         to the reference model when the loss has one (``recipe.beta > 0``), else the approximate
-        KL to the rows' policy; a figure the module did not log is left out."""
+        KL to the rows' policy; ``eval acc 0.406`` when the step began with an evaluation; a
+        figure the module did not log is left out."""
         kl = _figure(metrics, "rl/kl_ref")
         figures = [("reward", _figure(metrics, "rl/reward"), ".3f"),
                    ("loss", _figure(metrics, "rl/loss"), ".4f"),
                    ("kl", kl if kl is not None else _figure(metrics, "rl/approx_kl"), ".2e"),
-                   ("tok/s", _figure(metrics, "rl/tokens_per_s"), ".0f")]
+                   ("tok/s", _figure(metrics, "rl/tokens_per_s"), ".0f"),
+                   ("eval acc", (evaluated or {}).get("accuracy"), ".3f")]
         parts = [f"RL step {step + 1}/{self.num_steps}"]
         parts += [f"{label} {value:{fmt}}" for label, value, fmt in figures if value is not None]
-        parts.append(f"{time.perf_counter() - self._t0:.1f} s")
+        seconds = time.perf_counter() - self._t0 if elapsed is None else elapsed
+        parts.append(f"{seconds:.1f} s")
         return " | ".join(parts)
 
 

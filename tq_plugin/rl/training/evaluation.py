@@ -39,14 +39,14 @@ _DECODED: weakref.WeakKeyDictionary[Any, list[dict[str, Any]]] = weakref.WeakKey
 
 
 def evaluates(task: Any) -> bool:
-    """Whether ``task`` has held-out prompts to evaluate (``task.evaluate``, and for a dataset
-    task, held-out rows: ``task.eval_path`` or ``task.eval_size``)."""
-    return hasattr(task, "evaluate") and bool(getattr(task, "eval_rows", True))
+    """Whether ``task`` has held-out prompts to evaluate (the task contract's ``evaluates``:
+    for a dataset task, held-out rows, ``task.eval_path`` or ``task.eval_size``)."""
+    return bool(task.evaluates)
 
 
 def evaluate(task: Any, engine: Any, *, max_new_tokens: int) -> dict[str, float]:
     """``task.evaluate`` over ``engine``'s greedy completions (``{}``: the task holds none)."""
-    if engine is None or not hasattr(task, "evaluate"):
+    if engine is None or not task.evaluates:
         return {}
     allowed = task.output_token_ids
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,

@@ -413,7 +413,12 @@ class MetricsLog:
 
 
 def format_summary(summary: dict[str, Any]) -> str:
-    return (
+    held_out = ""
+    first, final = summary.get("eval_first") or {}, summary.get("eval") or {}
+    if "accuracy" in final:
+        start = f"{first['accuracy']:.3f} -> " if "accuracy" in first else ""
+        held_out = f"held-out accuracy (greedy): {start}{final['accuracy']:.3f}\n"
+    return held_out + (
         f"steps: {summary['steps']}   reward: {summary['reward_first']:.3f} -> "
         f"{summary['reward_last']:.3f} (mean of first/last {summary['smoothing_window']} steps: "
         f"{summary['reward_first_avg']:.3f} -> {summary['reward_last_avg']:.3f})\n"
