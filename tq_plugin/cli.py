@@ -280,6 +280,22 @@ def _first_values(overrides: Sequence[str]) -> list[str] | None:
     return out
 
 
+# TRL's GRPOConfig names a ported script sets, and the tq-train key of each (docs: losses.md).
+TRL_NAMES = {
+    "learning_rate": "recipe.lr", "num_generations": "recipe.group_size",
+    "max_completion_length": "recipe.max_new_tokens", "num_iterations": "recipe.ppo_epochs",
+    "max_steps": "recipe.num_steps", "epsilon": "recipe.clip_eps",
+    "epsilon_high": "recipe.clip_eps_high", "per_device_train_batch_size":
+        "recipe.prompts_per_step (x recipe.group_size completions)",
+}
+
+
+def _trl_name(key: str) -> str | None:
+    """The tq-train key for a TRL GRPOConfig name typed as a key (``recipe.learning_rate``)."""
+    leaf = key.rsplit(".", 1)[-1]
+    return TRL_NAMES.get(leaf)
+
+
 def _suggest(word: str, candidates: Sequence[str]) -> list[str]:
     """The closest candidates: by the whole dotted key, or by its last part (a key under the
     wrong group); the best and any within 0.05 of it, at most 3."""
@@ -358,8 +374,11 @@ def _bad_override(message: str, cause: BaseException | None, config_name: str,
             lines.append(f"  the groups: {', '.join(groups)} (`{PROG} --help`)")
             return lines
         lines = [f"{PROG}: unknown config key '{key}'"]
+        trl = _trl_name(key)
         hint = _suggest(key, [k for k in keys if "/" not in k])
-        if hint:
+        if trl is not None:
+            lines.append(f"  did you mean {trl} (TRL's {key.rsplit('.', 1)[-1]})?")
+        elif hint:
             lines.append(f"  did you mean {' or '.join(hint)}?")
         lines.append(f"  every key with its value: `{PROG} --help-all`; a key of your own: "
                      f"+{key}=...")

@@ -74,6 +74,8 @@ def test_main_prints_the_help_and_returns(monkeypatch, capsys):
     ("trainer.devics=2", "did you mean trainer.devices?"),
     ("recipe=grpoo", "did you mean recipe=grpo?"),
     ("tq/packng=none", "did you mean tq/packing=none?"),
+    ("recipe.learning_rate=1e-4", "did you mean recipe.lr (TRL's learning_rate)?"),
+    ("recipe.num_generations=8", "did you mean recipe.group_size (TRL's num_generations)?"),
 ])
 def test_an_unknown_key_or_option_gets_did_you_mean(override, said):
     lines = cli.check_overrides("train", [override])
