@@ -192,13 +192,10 @@ def plot(runs: dict[int, dict[str, Any]], path: Path) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
     for seed, run in runs.items():
+        # The trained weights' evaluation is the last row's (metrics.csv), after its step.
         steps, acc = zip(*run["curve"]) if run["curve"] else ((), ())
-        end = run["final"].get("accuracy")
-        xs, ys = list(steps), list(acc)
-        if end is not None:
-            xs.append(len(run["reward"]))
-            ys.append(float(end))
-        a.plot(xs, ys, marker="o", label=f"seed {seed}")
+        xs = [s + 1 if s == len(run["reward"]) - 1 else s for s in steps]
+        a.plot(xs, list(acc), marker="o", label=f"seed {seed}")
         b.plot(range(len(run["reward"])), run["reward"], label=f"seed {seed}")
     a.set(xlabel="RL step", ylabel="held-out accuracy (greedy)", title="SmolLM2-135M-Instruct")
     b.set(xlabel="RL step", ylabel="sampled reward (mean)", title="training reward")
