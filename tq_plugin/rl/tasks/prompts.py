@@ -173,16 +173,24 @@ class DatasetTask(Task):
     stateful = True
 
     def __init__(self, *, path: str | Path | None, prompt_key: str, tokenizer: str | None,
-                 shuffle: bool, seed: int, name: str, path_hint: str = "") -> None:
-        if path is None:
+                 shuffle: bool, seed: int, name: str, path_hint: str = "",
+                 rows: list[dict] | None = None, size_key: str = "task.path") -> None:
+        """``rows`` instead of ``path``: rows a task made itself (``task=reasoning_gym``); the
+        prompt stream's errors then name ``size_key``."""
+        if path is None and rows is None:
             raise ConfigError(f"task.path: task={name} needs a dataset file (json/jsonl, "
                               f"parquet, csv){path_hint}")
         self.name, self.prompt_key = name, prompt_key
         self.tokenizer = load_tokenizer(tokenizer)
         self.eos_token_id, self.pad_token_id = special_ids(self.tokenizer, tokenizer)
-        self.rows: list[dict] = load_rows(path, prompt_key=prompt_key)
-        self.seed, self.shuffle = seed, shuffle
-        self.stream = PromptStream(len(self.rows), seed=seed, shuffle=shuffle)
+        self.seed, self.shuffle, self._size_key = seed, shuffle, size_key
+        self.set_rows(load_rows(path, prompt_key=prompt_key) if rows is None else rows)
+
+    def set_rows(self, rows: list[dict]) -> None:
+        """The training rows, and a fresh prompt stream over them."""
+        self.rows = rows
+        self.stream = PromptStream(len(rows), seed=self.seed, shuffle=self.shuffle,
+                                   key=self._size_key)
 
     @property
     def vocab_size(self) -> int:
@@ -230,9 +238,6 @@ class PromptTask(DatasetTask):
             raise ConfigError("task=prompts reads no pixels: drop tq/staging=media")
         super().__init__(path=path, prompt_key=prompt_key, tokenizer=tokenizer, shuffle=shuffle,
                          seed=seed, name=name)
-        self.media = False
-        self.turns = turns
-        self.rewards: list[Reward] = load_rewards(reward, rewards)
         rows = self.rows
         if eval_path is not None:
             held_out = load_rows(eval_path, prompt_key=prompt_key, key="task.eval_path")
@@ -245,12 +250,23 @@ class PromptTask(DatasetTask):
             rows = [r for i, r in enumerate(rows) if i not in held]
         else:
             held_out = []
-        self.rows, self.eval_rows = rows, held_out
-        self.ids = [render(self.tokenizer, r[prompt_key]) for r in rows]
-        self.eval_ids = [render(self.tokenizer, r[prompt_key]) for r in held_out]
+        if len(rows) != len(self.rows):
+            self.set_rows(rows)
+        self.prepare(rewards=load_rewards(reward, rewards), eval_rows=held_out, turns=turns,
+                     feedback=(feedback_bad, feedback_good))
+
+    def prepare(self, *, rewards: list[Reward], eval_rows: list[dict], turns: int,
+                feedback: tuple[str, str]) -> None:
+        """What every prompts task holds once its rows are set: the rewards, the held-out rows,
+        both splits' prompt ids, the feedback ids (bad, good) of multi-turn tasks, the reward
+        functions' ``trainer_state`` and the reward log."""
+        self.media, self.turns = False, turns
+        self.rewards: list[Reward] = rewards
+        self.eval_rows = eval_rows
+        self.ids = [render(self.tokenizer, r[self.prompt_key]) for r in self.rows]
+        self.eval_ids = [render(self.tokenizer, r[self.prompt_key]) for r in eval_rows]
         self.feedback_ids = [list(self.tokenizer(t, add_special_tokens=False).input_ids)
-                             for t in (feedback_bad, feedback_good)]
-        self.stream = PromptStream(len(self.rows), seed=seed, shuffle=shuffle)
+                             for t in feedback]
         # Set by the step source before each step's rollouts (trainer_state.global_step).
         self.trainer_state = TrainerState()
         self.reward_log: list[dict[str, Any]] = []

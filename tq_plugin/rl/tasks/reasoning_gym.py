@@ -41,9 +41,8 @@ from typing import Any
 import torch
 
 from tq_plugin.config import ConfigError
-from tq_plugin.rl.tasks.prompts import PromptTask, load_tokenizer, render, special_ids
-from tq_plugin.rl.tasks.rewards import Reward, TrainerState, completion_text, load_rewards
-from tq_plugin.rl.tasks.stream import PromptStream
+from tq_plugin.rl.tasks.prompts import DatasetTask, PromptTask
+from tq_plugin.rl.tasks.rewards import Reward, completion_text, load_rewards
 
 ANSWER_FORMATS = ("last_number", "last_line", "answer_tag")
 # What the user message asks for after the question, per answer format.
@@ -175,39 +174,28 @@ class ReasoningGymTask(PromptTask):
             raise ConfigError(f"task.eval_size: must be >= 0, got {eval_size}")
         if not math.isfinite(float(format_bonus)):
             raise ConfigError(f"task.format_bonus: must be finite, got {format_bonus!r}")
-        self.name, self.media, self.turns = name, False, turns
         self.dataset_name = dataset
         self.answer_format = answer_format
         self.system_prompt = system_prompt
         self.instruction = INSTRUCTIONS[answer_format] if instruction is None else instruction
-        self.prompt_key = "prompt"
         config = _plain(config) or {}
         self.dataset = create(dataset, size=size, seed=dataset_seed, config=config)
-        self.rows = [self.row(entry) for entry in self.dataset]
-        seen = {r["question"] for r in self.rows}
+        rows = [self.row(entry) for entry in self.dataset]
+        seen = {r["question"] for r in rows}
         eval_seed = dataset_seed + size if eval_seed is None else eval_seed
-        self.eval_rows = self.held_out(eval_size, seed=eval_seed, config=config, seen=seen)
-        self.tokenizer = load_tokenizer(tokenizer)
-        self.eos_token_id, self.pad_token_id = special_ids(self.tokenizer, tokenizer)
-        self.rewards: list[Reward] = [Reward(name="score", fn=self.score_reward, weight=1.0,
-                                             accepts=None)]
+        held_out = self.held_out(eval_size, seed=eval_seed, config=config, seen=seen)
+        DatasetTask.__init__(self, path=None, rows=rows, prompt_key="prompt", tokenizer=tokenizer,
+                             shuffle=shuffle, seed=seed, name=name, size_key="task.size")
+        own = [Reward(name="score", fn=self.score_reward, weight=1.0, accepts=None)]
         if format_bonus:
-            self.rewards.append(Reward(name="format", fn=self.format_reward,
-                                       weight=float(format_bonus), accepts=None))
-        if rewards:
-            self.rewards += load_rewards(None, rewards)
-        names = [r.name for r in self.rewards]
+            own.append(Reward(name="format", fn=self.format_reward, weight=float(format_bonus),
+                              accepts=None))
+        own += load_rewards(None, rewards) if rewards else []
+        names = [r.name for r in own]
         if len(set(names)) != len(names):
             raise ConfigError(f"task.rewards: {names}: 'score' and 'format' are the task's own")
-        self.ids = [render(self.tokenizer, r["prompt"]) for r in self.rows]
-        self.eval_ids = [render(self.tokenizer, r["prompt"]) for r in self.eval_rows]
-        self.feedback_ids = [list(self.tokenizer(t, add_special_tokens=False).input_ids)
-                             for t in (feedback_bad, feedback_good)]
-        self.image_token_id = None
-        self.seed, self.shuffle = seed, shuffle
-        self.stream = PromptStream(len(self.rows), seed=seed, shuffle=shuffle, key="task.size")
-        self.trainer_state = TrainerState()
-        self.reward_log: list[dict[str, Any]] = []
+        self.prepare(rewards=own, eval_rows=held_out, turns=turns,
+                     feedback=(feedback_bad, feedback_good))
         # The latest evaluation's rows (evaluation.write_eval_completions drains them).
         self.last_eval_rows: list[dict[str, Any]] = []
 
