@@ -15,6 +15,9 @@ TOPOLOGIES = ("colocated", "disaggregated")
 # in the policy loss (tq_plugin.rl.algorithms.losses.is_correction_weights).
 IS_CORRECTION_MODES = ("token_tis", "decoupled", "seq_mask_tis", "icepop", "none")
 
+# recipe.optimizer and recipe.lr_scheduler (tq_plugin.rl.training.optim: transformers' semantics).
+OPTIMIZERS = ("adamw", "adam", "sgd")
+LR_SCHEDULERS = ("constant", "linear", "cosine")
 
 def _name(key: str, value: object) -> None:
     if not isinstance(value, str) or not value.strip():
@@ -89,6 +92,19 @@ class RecipeConfig:
     rollout_workers: int = 1
     # disaggregated: no row trains whose weight_version lags the trainer's by more (RL steps).
     max_staleness: int = 1
+    # The optimiser (tq_plugin.rl.training.optim): adamw (with weight_decay 0 the same update as
+    # adam), adam or sgd; weight_decay on matrices only (not biases or norm weights).
+    optimizer: str = "adamw"
+    weight_decay: float = 0.0
+    # The learning-rate schedule over the run's optimizer steps (TRL's lr_scheduler_type):
+    # constant, linear (to 0) or cosine, after warmup_steps optimizer steps (or warmup_ratio
+    # of them) rising from 0. metrics.csv's lr column is each RL step's first.
+    lr_scheduler: str = "constant"
+    warmup_steps: int = 0
+    warmup_ratio: float = 0.0
+    # The gradient norm over every trained parameter is clipped to this before each optimizer
+    # step (TRL's max_grad_norm); null: no clipping. metrics.csv's grad_norm is before the clip.
+    max_grad_norm: float | None = 1.0
     # disaggregated: the cap of recipe.is_correction's truncated importance-sampling weight
     # min(pi_old / pi_gen, cap) when is_correction.cap is null (the key that held it first).
     # 2.0, as TIS usually caps (verl's rollout_is_threshold): at GRPO's lr 7e-4 the 2-worker
@@ -222,8 +238,24 @@ class RecipeConfig:
         _positive("recipe.log_completions_every", self.log_completions_every, allow_zero=True)
         if self.dynamic_sampling and self.algorithm != "grpo":
             _fail("recipe.dynamic_sampling", "needs recipe.algorithm=grpo (it keeps the groups "
+        self._check_optimiser()
                   "whose rewards differ)")
         if self.reference_path is not None and not self.beta:
+    def _check_optimiser(self) -> None:
+        _one_of("recipe.optimizer", self.optimizer, OPTIMIZERS)
+        _one_of("recipe.lr_scheduler", self.lr_scheduler, LR_SCHEDULERS)
+        _positive("recipe.weight_decay", self.weight_decay, allow_zero=True)
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int):
+            _fail("recipe.warmup_steps", f"must be a whole number of optimizer steps, got "
+                  f"{self.warmup_steps!r}")
+        _positive("recipe.warmup_steps", self.warmup_steps, allow_zero=True)
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            _fail("recipe.warmup_ratio", f"must be in [0, 1), got {self.warmup_ratio!r}")
+        if self.warmup_steps and self.warmup_ratio:
+            _fail("recipe.warmup_ratio", "set recipe.warmup_steps or recipe.warmup_ratio, not both")
+        if self.max_grad_norm is not None:
+            _positive("recipe.max_grad_norm", self.max_grad_norm)
+
             _fail("recipe.reference_path", "is read only with recipe.beta > 0")
 
     @property

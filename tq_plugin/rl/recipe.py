@@ -248,6 +248,11 @@ class RLRecipe:
                                    default_root_dir=str(self.output_dir), callbacks=callbacks,
                                    logger=self._loggers(), enable_progress_bar=bar)
         self.global_batch = self.rc.prompts_per_step * self.rc.group_size // self.rc.minibatches
+        for key, instead in (("gradient_clip_val", "recipe.max_grad_norm"),
+                             ("gradient_clip_algorithm", "recipe.max_grad_norm (a norm clip)")):
+            if self.cfg.trainer.get(key) is not None:
+                raise ConfigError(f"trainer.{key}: the RL module clips its gradients itself; "
+                                  f"set {instead} instead")
         ranks.check_parallel_run(self.trainer, backend=self.cfg.tq.backend,
                                  global_batch=self.global_batch,
                                  save_artifacts=self.rc.save_artifacts,

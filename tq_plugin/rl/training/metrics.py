@@ -286,9 +286,19 @@ class StepRecord:
         self.padded_tokens = self.sums["padded_tokens"]
         self.train_s = self.sums["seconds"]
 
+    # The policy's learning rate at the step's first microbatch (recipe.lr_scheduler), and the
+    # mean over its optimizer steps of the gradient norm before recipe.max_grad_norm's clip.
+    lr: float = float("nan")
+    grad_norm_sum: float = 0.0
+    grad_norms: int = 0
     def row(self) -> dict[str, Any]:
         padded = self.padded_tokens or 1.0
         return {
+        if "lr" in stats and not self.microbatches:
+            self.lr = float(stats["lr"])
+        if "grad_norm" in stats:
+            self.grad_norm_sum += float(stats["grad_norm"])
+            self.grad_norms += 1
             "step": self.step,
             "reward": round(self.reward, 5),
             "reward_first_turn": round(self.reward_first_turn, 5),
@@ -319,6 +329,9 @@ class StepRecord:
         }
 
 
+            "lr": float(f"{self.lr:.6g}"),
+            "grad_norm": (round(self.grad_norm_sum / self.grad_norms, 5) if self.grad_norms
+                          else float("nan")),
 class MetricsLog:
     """Collects one row per RL step.
 

@@ -77,6 +77,7 @@ from tq_plugin.rl.training.metrics import (
     warn_if_unsynced,
 )
 from tq_plugin.rl.training.ranks import reduce_over_ranks
+from tq_plugin.rl.training.optim import build_optimizer, build_scheduler, grad_norm_value
 from tq_plugin.rl.training.step_record import (
     RL_STEP,
     STEP_FIGURES,
@@ -153,6 +154,8 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         self._mb_booked: dict[str, float] | None = None  # microbatch_stats, once a microbatch
         self.train_seconds = 0.0
         # Set by the recipe's step callback before each microbatch trains, from the step's meta
+        self._mb_lr = float(recipe.lr)  # the policy's lr as the microbatch started
+        self._grad_norm: float | None = None  # before the clip, on a global batch's last
         # (read per microbatch: the meta, not the module, holds each step's values).
         self.loss_norm = 1.0  # recipe.loss_type's normaliser of one global batch (per rank)
         self.current_reward = 0.0  # the step's mean rollout reward, logged as rl/reward
@@ -249,8 +252,12 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         self.write_to_dataplane(meta, {ADVANTAGES: adv, **({RETURNS: returns} if ppo else {})})
 
     # ------------------------------------------------------------------ training
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        groups = [{"params": self.policy.parameters(), "lr": self.rc.lr}]
+    def configure_optimizers(self) -> dict[str, Any]:
+        """``recipe.optimizer`` over the policy (``recipe.lr``) and PPO's value model
+        (``recipe.value_lr``), ``recipe.weight_decay`` on their matrices, and
+        ``recipe.lr_scheduler`` stepped after every optimizer step over the trainer's
+        ``max_steps`` (:mod:`tq_plugin.rl.training.optim`)."""
+        models = [(self.policy, self.rc.lr)]
         if self.value is not None:
             groups.append({"params": self.value.parameters(), "lr": self.rc.value_lr})
         return torch.optim.Adam(groups)
@@ -275,11 +282,17 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
     def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer,
                                     gradient_clip_val: float | None = None,
                                     gradient_clip_algorithm: str | None = None) -> None:
-        """Clip the gradient norm over every trained parameter to 1.0. Sharded (``DTensor``)
-        gradients too: Lightning's clip is ``torch.nn.utils.clip_grad_norm_``, whose norm of
-        shards is a partial ``DTensor`` summed over the mesh, so every rank scales by the
-        one-process factor (``tests/rl/models/test_fsdp.py`` checks it against the whole model)."""
-        self.clip_gradients(optimizer, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+        """Clip the gradient norm over every trained parameter to ``recipe.max_grad_norm``
+        (``null``: no clipping) and keep the norm before the clip (``grad_norm``). Sharded
+        (``DTensor``) gradients too: ``clip_grad_norm_``'s norm of shards is a partial
+        ``DTensor`` summed over the mesh, so every rank scales by the one-process factor
+        (``tests/rl/models/test_fsdp.py`` checks it against the whole model). The Trainer's own
+        ``gradient_clip_val`` is refused at start (``RLRecipe``): one key holds the clip."""
+        if self.rc.max_grad_norm is None:
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        norm = torch.nn.utils.clip_grad_norm_(params, float(self.rc.max_grad_norm))
+        self._grad_norm = grad_norm_value(norm)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> Any:
         self._mb_start = time.perf_counter()
@@ -298,6 +311,8 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         ic = self.rc.is_correction
         is_w, is_masked = is_correction_weights(
             old, gen, mask, mode=self.is_mode, cap=self.rc.is_cap, low=ic.min, high=ic.max,
+        self._grad_norm = None
+        self._mb_lr = float(self.trainer.optimizers[0].param_groups[0]["lr"])
             sequence_ids=td[SEGMENT_IDS] if SEGMENT_IDS in td.keys() else None)  # noqa: SIM118
         rc, seq_ids = self.rc, td[SEGMENT_IDS] if SEGMENT_IDS in td.keys() else None  # noqa: SIM118
         extra = meta.extra_info if meta is not None else {}
@@ -361,7 +376,9 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
                        + self.dp_batch_stats.get("layout_s", 0.0))
             self.train_seconds += elapsed
             self._mb_booked = {**self._mb_stats, "seconds": elapsed, **self.dp_batch_stats,
-                               "peak_mem_mb": peak_memory_mb(self.device)}
+                               "peak_mem_mb": peak_memory_mb(self.device), "lr": self._mb_lr,
+                               **({} if self._grad_norm is None
+                                  else {"grad_norm": self._grad_norm})}
         return self._mb_booked
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
