@@ -6,9 +6,11 @@ The examples are collected from the Markdown itself:
 * a ```` ```bash ```` block is run with bash in a folder of its own per page (slow tier), with
   ``tq-train`` shrunk to a few RL steps: a shim on ``PATH`` appends ``recipe.num_steps=2`` (or
   keeps the page's value when it is at most 6), ``recipe.prompts_per_step=4`` and no progress bar;
-* ``<!-- file: PATH -->`` on the line before a block writes the block to ``PATH`` in the page's
-  folder instead (``my_app.py``, ``config.yaml``, ``prompts.jsonl``), before any of the page's
-  blocks runs;
+* a block titled with its file name, ```` ```python title="my_app.py" ```` (the site shows the
+  title above the code), is written to that path in the page's folder instead (``my_app.py``,
+  ``config.yaml``, ``prompts.jsonl``), before any of the page's blocks runs. The older
+  ``<!-- file: PATH -->`` on the line before a block does the same but hides the name from the
+  reader: :func:`test_files_are_named_where_the_reader_sees_it` refuses it;
 * ``<!-- no-run: why -->`` on the line before a block skips it; the reason is required and the
   marker is kept for what cannot run here (installs, the set-up commands, vLLM's minute-long
   start): :func:`test_no_run_markers_are_few` bounds them.
@@ -39,8 +41,10 @@ PYTHON = {"python", "py"}
 SHELL = {"bash", "sh", "shell"}
 # Languages of code a reader would run or save; anything else is output or a picture.
 CODE = PYTHON | SHELL | {"yaml", "yml", "json", "jsonl", "toml", "ini"}
-FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)[^\n]*$")
+FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)([^\n]*)$")
 MARKER = re.compile(r"^\s*<!--\s*(no-run|file)\s*:\s*(.*?)\s*-->\s*$")
+# A fence's title (pymdownx.highlight: ```python title="my_app.py"): the file the block is.
+TITLE = re.compile(r"""\btitle=(?:"([^"]*)"|'([^']*)')""")
 # At most this many no-run markers in all, and at most this share of the examples.
 MAX_NO_RUN = 5
 MAX_NO_RUN_SHARE = 0.2
@@ -57,6 +61,7 @@ class Block:
     code: str
     marker: str | None  # "no-run" | "file" | None
     arg: str  # the marker's reason or path
+    hidden: bool = False  # the path is in an HTML comment (<!-- file: PATH -->), not a title
 
     @property
     def name(self) -> str:
@@ -81,8 +86,12 @@ def blocks(page: Path) -> list[Block]:
             j += 1
         before = next((lines[k] for k in range(i - 1, -1, -1) if lines[k].strip()), "")
         marker = MARKER.match(before)
+        title = TITLE.search(opening.group(4))
+        kind, arg = (marker.group(1), marker.group(2)) if marker else (None, "")
+        if title and not marker:
+            kind, arg = "file", (title.group(1) or title.group(2) or "").strip()
         out.append(Block(page, len(out), i + 1, lang, textwrap.dedent("\n".join(body)) + "\n",
-                         marker.group(1) if marker else None, marker.group(2) if marker else ""))
+                         kind, arg, hidden=bool(marker and kind == "file")))
         i = j + 1
     return out
 
@@ -107,10 +116,16 @@ def test_examples_are_collected():
 def test_every_code_block_runs_or_says_why_not():
     silent = [b.name for b in ALL if b.lang in CODE and b.marker is None
               and b.lang not in PYTHON | SHELL]
-    assert not silent, (f"{silent}: a {{yaml, json, ...}} block is saved with <!-- file: PATH --> "
-                        "before it, or skipped with <!-- no-run: why -->")
+    assert not silent, (f"{silent}: a {{yaml, json, ...}} block is saved as a file (```yaml "
+                        "title=\"PATH\"), or skipped with <!-- no-run: why --> before it")
     unknown = [b.name for b in ALL if b.marker == "file" and not b.arg]
-    assert not unknown, f"{unknown}: <!-- file: --> needs a path"
+    assert not unknown, f"{unknown}: a file block's title=\"PATH\" needs a path"
+
+
+def test_files_are_named_where_the_reader_sees_it():
+    hidden = [b.name for b in ALL if b.hidden]
+    assert not hidden, (f"{hidden}: name the file in the fence, ```python title=\"PATH\", which "
+                        "the site shows above the code (an HTML comment shows nothing)")
 
 
 def test_no_run_markers_are_few():

@@ -30,12 +30,23 @@ def test_the_site_builds_strictly(tmp_path):
 
     index = (site / "index.html").read_text()
     assert "When to use it" in index and "NeMo RL" in index
-    for package in ("data_plane", "staging", "lightning", "rollout", "config"):
+    # site/index.html opened from the file system: links name .html files, and search reads its
+    # index from a script and starts its worker through the shim shipped in docs/ (no server,
+    # no network)
+    assert 'href="getting-started.html"' in index and 'href="getting-started/"' not in index
+    assert (site / "search" / "search_index.js").read_text().startswith("var __index = ")
+    assert '<script src="javascripts/iframe-worker-shim.js"' in index and "unpkg" not in index
+    assert 'href="stylesheets/extra.css"' in index
+    for package in ("data_plane", "staging", "lightning", "rollout", "config", "rl"):
         api = (site / "reference" / "api" / f"{package}.html").read_text()
         assert 'class="doc doc-heading"' in api, package
     api = (site / "reference" / "api" / "data_plane.html").read_text()
     for name in ("KVBatchMeta", "LocalDataPlane", "first_write", "shard_meta_for_dp"):
         assert f'id="tq_plugin.data_plane.{name}"' in api, name
+    api = (site / "reference" / "api" / "rl.html").read_text()  # the parts a user calls too
+    for name in ("recipe.RLRecipe", "tasks.prompts.PromptTask", "tasks.rewards.exact_match",
+                 "algorithms.losses.policy_objective", "algorithms.registry.register_policy_loss"):
+        assert f'id="tq_plugin.rl.{name}"' in api, name
 
     from tq_plugin import cli
 
