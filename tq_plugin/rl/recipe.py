@@ -64,6 +64,7 @@ from tq_plugin.rl.topology.colocated import RolloutStream
 from tq_plugin.rl.topology.sources import build_step_source
 from tq_plugin.rl.training import console, ranks
 from tq_plugin.rl.training.callbacks import (
+    ContinueRun,
     PeriodicCheckpoint,
     RLStepCallback,
     SigtermStop,
@@ -238,7 +239,10 @@ class RLRecipe:
         self.terminal = console.is_terminal()
         bar = bool(self.cfg.trainer.get("enable_progress_bar", True)) and self.terminal
         console.route_step_lines(terminal=bar)
+        self.continue_run = ContinueRun(num_steps=self.rc.num_steps, dp_callback=self.callback,
+                                        finish=self.write_artifacts)
         callbacks = [self.callback, self.step_callback, self.sigterm, *own, EvalLog(),
+                     self.continue_run,
                      console.StepLines(self.rc.num_steps),
                      *self.source.callbacks(), *instantiate_callbacks(
                          self.cfg.get("callbacks"), progress_bar=bar),

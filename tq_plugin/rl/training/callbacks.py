@@ -1,6 +1,7 @@
 """The recipe's own Lightning callbacks: per-step bookkeeping on every rank (``RLStepCallback``),
-a SIGTERM stop that every rank takes at the same microbatch (``SigtermStop``) and the periodic
-checkpoints a killed run resumes from (``PeriodicCheckpoint``)."""
+a SIGTERM stop that every rank takes at the same microbatch (``SigtermStop``), the periodic
+checkpoints a killed run resumes from (``PeriodicCheckpoint``) and a finished run continued to a
+larger ``recipe.num_steps`` (``ContinueRun``)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
+from tq_plugin.config import ConfigError
 from tq_plugin.lightning import MICROBATCH_INFO
 from tq_plugin.rl.training import ranks
 from tq_plugin.rl.training.metrics import MetricsLog, StepRecord
@@ -190,8 +192,61 @@ class PeriodicCheckpoint:
             else:
                 os.link(path, link)
             os.replace(link, self.directory / "last.ckpt")
-            _info_rank_zero("RL step %d: checkpoint %s", finished - 1, path)
+            _info_rank_zero("RL step %d: checkpoint %s", finished, path)  # 1-based, as the console
         self.saved.append(path)
+
+
+class ContinueRun(Callback):
+    """``ckpt_path``: how many RL steps the checkpoint finished, against ``num_steps``.
+
+    A checkpoint saved after a run's last microbatch (the ``last.ckpt`` of a finished run)
+    holds Lightning's mark that the epoch's last batch was reached: restored as it is, the fit
+    loop ends at once and a run continued to a larger ``recipe.num_steps`` trains nothing. The
+    mark is cleared here, before the loops are restored, when steps are left to train, so the
+    datamodule goes on from the resume cursor (the steps ``done..num_steps-1``). With nothing
+    left (``num_steps`` equal to the steps done) one line says so, Lightning skips the fit loop
+    (``max_steps`` reached) and ``finish(trainer)`` writes the run's artifacts from the
+    checkpointed steps instead of ``on_train_end``; fewer steps than done is a ``ConfigError``.
+    ``dp_callback``: the ``DataPlaneCallback`` whose state holds the finished steps.
+    """
+
+    def __init__(self, *, num_steps: int, dp_callback: Callback,
+                 finish: Callable[[Trainer], Any]) -> None:
+        self.num_steps, self.dp_callback, self.finish = num_steps, dp_callback, finish
+        self.steps_done: int | None = None  # from the checkpoint, once one is loaded
+
+    @property
+    def nothing_left(self) -> bool:
+        return self.steps_done == self.num_steps
+
+    @override
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("callbacks", {}).get(self.dp_callback.state_key)
+        if not state:
+            return
+        done = self.steps_done = int(state["completed_steps"])
+        path = getattr(trainer, "ckpt_path", None) or "the checkpoint"
+        if done > self.num_steps:
+            raise ConfigError(f"recipe.num_steps: {self.num_steps} is below the {done} RL steps "
+                              f"{path} finished: set recipe.num_steps above {done} to continue it")
+        if done == self.num_steps:
+            rank_zero_only(print)(
+                f"[tq_plugin] {path} finished all recipe.num_steps={done} RL steps: nothing more "
+                f"to train (set recipe.num_steps above {done} to continue the run)", flush=True)
+            return
+        progress = (checkpoint.get("loops", {}).get("fit_loop", {})
+                    .get("epoch_loop.batch_progress"))
+        if progress and progress.get("is_last_batch"):
+            progress["is_last_batch"] = False
+            _info_rank_zero("continuing %s from RL step %d to recipe.num_steps=%d", path, done,
+                            self.num_steps)
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # The checkpoint is loaded by now (the weights, the callbacks' state); the loops are not.
+        if self.nothing_left:
+            self.finish(trainer)
 
 
 class StepHooks(Callback):
@@ -225,4 +280,4 @@ class StepHooks(Callback):
         self.sigterm.stop_if_requested(trainer)
 
 
-__all__ = ["PeriodicCheckpoint", "RLStepCallback", "SigtermStop", "StepHooks"]
+__all__ = ["ContinueRun", "PeriodicCheckpoint", "RLStepCallback", "SigtermStop", "StepHooks"]

@@ -274,9 +274,19 @@ class StepRecord:
     # peak_memory_mb``: CUDA allocated on a GPU, RSS on the CPU); every rank's once merged.
     peak_mem_mb: float = 0.0
     rank_peak_mem_mb: list[float] = field(default_factory=list)
+    # The policy's learning rate at the step's first microbatch (recipe.lr_scheduler), and the
+    # mean over its optimizer steps of the gradient norm before recipe.max_grad_norm's clip.
+    lr: float = float("nan")
+    grad_norm_sum: float = 0.0
+    grad_norms: int = 0
 
     def add(self, stats: Mapping[str, float], *, last_in_global_batch: bool) -> None:
         add_stats(self.sums, stats)
+        if "lr" in stats and not self.microbatches:
+            self.lr = float(stats["lr"])
+        if "grad_norm" in stats:
+            self.grad_norm_sum += float(stats["grad_norm"])
+            self.grad_norms += 1
         self.peak_mem_mb = max(self.peak_mem_mb, float(stats.get("peak_mem_mb", 0.0)))
         self.microbatches += 1
         self.global_batches += int(last_in_global_batch)
@@ -286,19 +296,9 @@ class StepRecord:
         self.padded_tokens = self.sums["padded_tokens"]
         self.train_s = self.sums["seconds"]
 
-    # The policy's learning rate at the step's first microbatch (recipe.lr_scheduler), and the
-    # mean over its optimizer steps of the gradient norm before recipe.max_grad_norm's clip.
-    lr: float = float("nan")
-    grad_norm_sum: float = 0.0
-    grad_norms: int = 0
     def row(self) -> dict[str, Any]:
         padded = self.padded_tokens or 1.0
         return {
-        if "lr" in stats and not self.microbatches:
-            self.lr = float(stats["lr"])
-        if "grad_norm" in stats:
-            self.grad_norm_sum += float(stats["grad_norm"])
-            self.grad_norms += 1
             "step": self.step,
             "reward": round(self.reward, 5),
             "reward_first_turn": round(self.reward_first_turn, 5),
@@ -317,6 +317,9 @@ class StepRecord:
             "clip_low": round(self.clip_low, 5),
             "clip_high": round(self.clip_high, 5),
             "kl_ref": round(self.kl_ref, 6),
+            "lr": float(f"{self.lr:.6g}"),
+            "grad_norm": (round(self.grad_norm_sum / self.grad_norms, 5) if self.grad_norms
+                          else float("nan")),
             **{k: round(float(v), 5) for k, v in sorted(self.figures.items())},
             "rollout_s": round(self.rollout_s, 4),
             "prepare_s": round(self.prepare_s, 4),
@@ -329,9 +332,6 @@ class StepRecord:
         }
 
 
-            "lr": float(f"{self.lr:.6g}"),
-            "grad_norm": (round(self.grad_norm_sum / self.grad_norms, 5) if self.grad_norms
-                          else float("nan")),
 class MetricsLog:
     """Collects one row per RL step.
 

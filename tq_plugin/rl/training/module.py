@@ -76,8 +76,8 @@ from tq_plugin.rl.training.metrics import (
     rl_metrics,
     warn_if_unsynced,
 )
-from tq_plugin.rl.training.ranks import reduce_over_ranks
 from tq_plugin.rl.training.optim import build_optimizer, build_scheduler, grad_norm_value
+from tq_plugin.rl.training.ranks import reduce_over_ranks
 from tq_plugin.rl.training.step_record import (
     RL_STEP,
     STEP_FIGURES,
@@ -152,10 +152,10 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         if self.reference is not None:
             self.train_fields = [*self.train_fields, REFERENCE_POLICY_LOGPROBS]
         self._mb_booked: dict[str, float] | None = None  # microbatch_stats, once a microbatch
-        self.train_seconds = 0.0
-        # Set by the recipe's step callback before each microbatch trains, from the step's meta
         self._mb_lr = float(recipe.lr)  # the policy's lr as the microbatch started
         self._grad_norm: float | None = None  # before the clip, on a global batch's last
+        self.train_seconds = 0.0
+        # Set by the recipe's step callback before each microbatch trains, from the step's meta
         # (read per microbatch: the meta, not the module, holds each step's values).
         self.loss_norm = 1.0  # recipe.loss_type's normaliser of one global batch (per rank)
         self.current_reward = 0.0  # the step's mean rollout reward, logged as rl/reward
@@ -259,8 +259,12 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         ``max_steps`` (:mod:`tq_plugin.rl.training.optim`)."""
         models = [(self.policy, self.rc.lr)]
         if self.value is not None:
-            groups.append({"params": self.value.parameters(), "lr": self.rc.value_lr})
-        return torch.optim.Adam(groups)
+            models.append((self.value, self.rc.value_lr))
+        optimizer = build_optimizer(self.rc, models)
+        total = int(self.trainer.max_steps) if self._trainer is not None else 1
+        scheduler = build_scheduler(self.rc, optimizer, max(total, 1))
+        return {"optimizer": optimizer,
+                "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
 
     def configure_model(self) -> None:
         """Under ``ModelParallelStrategy`` (``trainer=fsdp_cpu``, ``trainer=fsdp``) shard the
@@ -297,6 +301,8 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> Any:
         self._mb_start = time.perf_counter()
         self._mb_booked = None
+        self._grad_norm = None
+        self._mb_lr = float(self.trainer.optimizers[0].param_groups[0]["lr"])
         return super().on_train_batch_start(batch, batch_idx)
 
     def training_step(self, td: Any, batch_idx: int) -> dict[str, Any]:
@@ -311,8 +317,6 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         ic = self.rc.is_correction
         is_w, is_masked = is_correction_weights(
             old, gen, mask, mode=self.is_mode, cap=self.rc.is_cap, low=ic.min, high=ic.max,
-        self._grad_norm = None
-        self._mb_lr = float(self.trainer.optimizers[0].param_groups[0]["lr"])
             sequence_ids=td[SEGMENT_IDS] if SEGMENT_IDS in td.keys() else None)  # noqa: SIM118
         rc, seq_ids = self.rc, td[SEGMENT_IDS] if SEGMENT_IDS in td.keys() else None  # noqa: SIM118
         extra = meta.extra_info if meta is not None else {}
