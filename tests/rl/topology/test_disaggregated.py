@@ -438,7 +438,7 @@ def test_the_reference_kl_and_reward_shaping_run_disaggregated(tmp_path, ray_ses
     for r in rows:
         # Two epochs: even step 0 trains its second on a policy off the reference.
         assert float(r["kl_ref"]) > 0, r
-        assert 0 <= float(r["completions/truncated_fraction"]) <= 1
+        assert 0 <= float(r["completions/clipped_ratio"]) <= 1
         assert float(r["rewards/overlong_penalty/mean"]) <= 0
         assert float(r["sampling/draws"]) >= 1
 

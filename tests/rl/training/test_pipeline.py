@@ -111,6 +111,13 @@ def run(draw_loop: DrawLoop, *, prompts: int, step: int = 3):
                          partition_id="train")
 
 
+def lengths(counts: list[int], *, clipped: float) -> dict[str, float]:
+    """The completion-length figures every draw reports, of rows of ``counts`` action tokens."""
+    return {"completions/mean_length": sum(counts) / len(counts),
+            "completions/min_length": float(min(counts)),
+            "completions/max_length": float(max(counts)), "completions/clipped_ratio": clipped}
+
+
 # ------------------------------------------------------------------ DrawLoop
 def test_a_row_no_reward_applied_to_gets_a_nan_reward_written_back():
     nan = math.nan
@@ -121,7 +128,8 @@ def test_a_row_no_reward_applied_to_gets_a_nan_reward_written_back():
     assert d.rewards[0] == 1.0 and math.isnan(d.rewards[1])
     assert math.isnan(float(rows.rows["s3-p0-g1"][TOTAL_REWARD]))
     assert float(rows.rows["s3-p0-g0"][TOTAL_REWARD]) == 1.0
-    assert d.figures == {} and d.failed_calls == 1 and d.staged_calls == 2
+    assert d.figures == lengths([2, 2], clipped=0.0)
+    assert d.failed_calls == 1 and d.staged_calls == 2
 
 
 def test_a_task_without_a_reward_log_writes_nothing():
@@ -138,7 +146,7 @@ def test_truncated_completions_are_masked_and_counted_their_reward_kept():
     d = run(draw_loop, prompts=2)
     masks = [float(rows.rows[s][SAMPLE_MASK]) for s in d.meta.sample_ids]
     assert masks == [1.0, 0.0, 1.0, 1.0]  # a row with no action token is not truncated
-    assert d.figures == {"completions/truncated_fraction": 0.25}
+    assert d.figures == lengths([2, 3, 0, 1], clipped=0.25)
     assert d.rewards.tolist() == [1.0, 0.5, 0.0, 1.0]  # the baseline still sees it
     assert rows.writes == [{SAMPLE_MASK}]
 
@@ -152,7 +160,7 @@ def test_the_overlong_penalty_is_added_to_the_written_reward():
     assert d.rewards.tolist() == [1.0, 0.0, -2.0, 0.0]
     assert [float(rows.rows[s][TOTAL_REWARD]) for s in d.meta.sample_ids] == d.rewards.tolist()
     assert d.figures["rewards/overlong_penalty/mean"] == pytest.approx(-3.0 / 4)
-    assert d.figures["completions/truncated_fraction"] == 0.5  # rows 2 and 3 end without EOS
+    assert d.figures["completions/clipped_ratio"] == 0.5  # rows 2 and 3 end without EOS
     assert [float(rows.rows[s][SAMPLE_MASK]) for s in d.meta.sample_ids] == [1.0] * 4  # not masked
 
 
@@ -174,14 +182,14 @@ def test_run_draws_again_under_dynamic_sampling_each_draw_shaped_and_numbered_ap
     assert sorted(rows.rows) == sorted(d.meta.sample_ids)  # nothing else left in the store
     assert d.failed_calls == 2 and d.staged_calls == 8
     # The figures are the last draw's (its truncated fraction) and the loop's counts.
-    assert d.figures == {"completions/truncated_fraction": 0.0, "sampling/draws": 2.0,
+    assert d.figures == {**lengths([2, 2, 2, 2], clipped=0.0), "sampling/draws": 2.0,
                          "sampling/groups_dropped": 2.0, "sampling/groups_filled": 1.0}
 
 
 def test_run_draws_once_without_dynamic_sampling():
     draw_loop, _, rollout = loop([[{"reward": 1.0, "tokens": [EOS]}] * 2], max_draws=3)
     d = run(draw_loop, prompts=1, step=4)
-    assert rollout.steps == [4] and d.figures == {}
+    assert rollout.steps == [4] and d.figures == lengths([1, 1], clipped=0.0)
 
 
 # ------------------------------------------------------------------ StepTail
@@ -205,14 +213,20 @@ def chunk(sample_ids: list[str], **figures: float) -> KVBatchMeta:
 
 def test_chunk_figures_average_fractions_and_means_by_rows_and_sum_counts():
     a = chunk([f"s1-p0-g{j}" for j in range(2)], **{
-        "completions/truncated_fraction": 0.5, "rewards/overlong_penalty/mean": -1.0,
+        "completions/clipped_ratio": 0.5, "rewards/overlong_penalty/mean": -1.0,
+        "completions/mean_length": 4.0, "completions/max_length": 6.0,
+        "completions/min_length": 1.0,
         "sampling/draws": 2.0, "sampling/groups_dropped": 1.0})
     b = chunk([f"s2-p{p}-g{j}" for p in range(3) for j in range(2)], **{
-        "completions/truncated_fraction": 0.25, "rewards/overlong_penalty/mean": 0.0,
+        "completions/clipped_ratio": 0.25, "rewards/overlong_penalty/mean": 0.0,
+        "completions/mean_length": 8.0, "completions/max_length": 9.0,
+        "completions/min_length": 2.0,
         "sampling/draws": 1.0, "sampling/groups_dropped": 0.0})
     figures = chunk_figures([a, b])
     assert figures == pytest.approx({
-        "completions/truncated_fraction": (0.5 * 2 + 0.25 * 6) / 8,
+        "completions/clipped_ratio": (0.5 * 2 + 0.25 * 6) / 8,
+        "completions/mean_length": (4.0 * 2 + 8.0 * 6) / 8, "completions/max_length": 9.0,
+        "completions/min_length": 1.0,
         "rewards/overlong_penalty/mean": -2 / 8,
         "sampling/draws": 3.0, "sampling/groups_dropped": 1.0})
     assert chunk_figures([chunk(["s1-p0-g0"])]) == {}  # a worker with nothing to say

@@ -59,16 +59,21 @@ _STEP_IN_ID = re.compile(r"s(\d+)-p\d+-g\d+$")
 
 
 def chunk_figures(chunks: list[KVBatchMeta]) -> dict[str, float]:
-    """The step's figures from its chunks' ``fig:<name>`` tags (the workers' draws): fractions
-    and means weighted by the chunks' rows, counts summed."""
+    """The step's figures from its chunks' ``fig:<name>`` tags (the workers' draws): fractions,
+    ratios and means weighted by the chunks' rows, ``max_length`` / ``min_length`` the largest
+    and smallest, counts summed."""
     sums: dict[str, float] = {}
     rows = sum(c.size for c in chunks)
     for chunk in chunks:
         for key, value in chunk.tags[0].items():
             if key.startswith(FIGURE_TAG_PREFIX):
-                name = key[len(FIGURE_TAG_PREFIX):]
-                averaged = name.endswith(("fraction", "mean"))
-                sums[name] = sums.get(name, 0.0) + float(value) * (chunk.size / rows if averaged else 1)
+                name, value = key[len(FIGURE_TAG_PREFIX):], float(value)
+                if name.endswith(("max_length", "min_length")):
+                    pick = max if name.endswith("max_length") else min
+                    sums[name] = pick(sums.get(name, value), value)
+                    continue
+                averaged = name.endswith(("fraction", "ratio", "mean", "mean_length"))
+                sums[name] = sums.get(name, 0.0) + value * (chunk.size / rows if averaged else 1)
     return sums
 
 

@@ -92,6 +92,17 @@ class RowIO:
     clear: Callable[[KVBatchMeta], None]
 
 
+def completion_length_figures(lengths: torch.Tensor, clipped: torch.Tensor) -> dict[str, float]:
+    """TRL's completion-length figures of a draw: the rows' generated (action) token counts,
+    mean, smallest and largest, and ``clipped_ratio``, the fraction of rows that ended without
+    the stop token (cut at ``recipe.max_new_tokens``)."""
+    lengths = lengths.float()
+    return {"completions/mean_length": float(lengths.mean()),
+            "completions/min_length": float(lengths.min()),
+            "completions/max_length": float(lengths.max()),
+            "completions/clipped_ratio": float(clipped.float().mean())}
+
+
 class DrawLoop:
     """The generation side of a step (see the module docstring): ``rc`` is the typed ``recipe``
     group, ``task`` the run's task, ``side`` the rollout side (``topology.build.RolloutSide``),
@@ -129,12 +140,12 @@ class DrawLoop:
             if unscorable.any():
                 rewards = torch.where(unscorable, torch.full_like(rewards, math.nan), rewards)
                 written[TOTAL_REWARD] = rewards
+        td = self.io.read(meta, [INPUT_IDS, TOKEN_MASK, SAMPLE_MASK])
+        mask = td[TOKEN_MASK] > 0
+        truncated = (last_action_tokens(mask, td[INPUT_IDS]) != task.eos_token_id) \
+            & mask.any(dim=1)
+        figures.update(completion_length_figures(mask.sum(dim=1), truncated))
         if rc.mask_truncated_completions or rc.overlong_buffer:
-            td = self.io.read(meta, [INPUT_IDS, TOKEN_MASK, SAMPLE_MASK])
-            mask = td[TOKEN_MASK] > 0
-            truncated = (last_action_tokens(mask, td[INPUT_IDS]) != task.eos_token_id) \
-                & mask.any(dim=1)
-            figures["completions/truncated_fraction"] = float(truncated.float().mean())
             if rc.mask_truncated_completions:
                 written[SAMPLE_MASK] = td[SAMPLE_MASK] * ~truncated
             if rc.overlong_buffer:
