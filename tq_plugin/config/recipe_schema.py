@@ -3,6 +3,7 @@ the importance-sampling correction. Torch-free, like every schema (see ``schema`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from tq_plugin.config.rules import fail as _fail
@@ -22,6 +23,23 @@ LR_SCHEDULERS = ("constant", "linear", "cosine")
 def _name(key: str, value: object) -> None:
     if not isinstance(value, str) or not value.strip():
         _fail(key, f"must be a registered name, got {value!r}")
+
+
+def sampling_problem(top_k: object, top_p: object, min_p: object, repetition_penalty: object
+                     ) -> tuple[str, str] | None:
+    """``(key, rule)`` of the first sampling control out of its range, else ``None`` (the
+    recipe's keys and the engines' ``SamplingParams`` share it)."""
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        return "top_k", (f"must be a whole number >= 0 (0: off, as TRL's top_k=0; vLLM's -1 is "
+                         f"written 0 here), got {top_k!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
+        return "top_p", f"must be in (0, 1] (1.0: off), got {top_p!r}"
+    if isinstance(min_p, bool) or not isinstance(min_p, (int, float)) or not 0.0 <= min_p <= 1.0:
+        return "min_p", f"must be in [0, 1] (0.0: off), got {min_p!r}"
+    if isinstance(repetition_penalty, bool) or not isinstance(repetition_penalty, (int, float)) \
+            or not (math.isfinite(repetition_penalty) and repetition_penalty > 0.0):
+        return "repetition_penalty", f"must be > 0 (1.0: off), got {repetition_penalty!r}"
+    return None
 
 
 @dataclass
@@ -94,6 +112,15 @@ class RecipeConfig:
     gamma: float = 1.0
     gae_lambda: float = 0.95
     temperature: float = 1.0
+    # Sampling controls after the temperature (tq_plugin.rollout.sampling; docs/losses.md,
+    # "Sampling controls"): every engine samples from the processed distribution and the
+    # trainer scores every completion token under the same processing, so the on-policy IS
+    # ratio stays 1. top_k 0 (TRL's spelling, vLLM's 0 too), top_p 1.0, min_p 0.0 and
+    # repetition_penalty 1.0 are off.
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     max_new_tokens: int = 8
     train_partition: str = "train"
     log_every: int = 1
@@ -199,6 +226,9 @@ class RecipeConfig:
         for key in ("num_steps", "prompts_per_step", "group_size", "ppo_epochs", "minibatches",
                     "lr", "max_new_tokens", "temperature", "log_every"):
             _positive(f"recipe.{key}", getattr(self, key))
+        problem = sampling_problem(self.top_k, self.top_p, self.min_p, self.repetition_penalty)
+        if problem is not None:
+            _fail(f"recipe.{problem[0]}", problem[1])
         if self.algorithm == "grpo" and self.group_size < 2:
             _fail("recipe.group_size", "GRPO needs at least 2 samples per prompt")
         if self.algorithm == "ppo":

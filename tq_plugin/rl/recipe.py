@@ -74,6 +74,8 @@ from tq_plugin.rl.training.evaluation import EVAL, EvalLog
 from tq_plugin.rl.training.metrics import RESULT_FILE
 from tq_plugin.rl.training.module import RLModule
 from tq_plugin.rollout import EngineError
+from tq_plugin.rollout.engines import check_sampling
+from tq_plugin.rollout.sampling import SamplingControls
 
 log = logging.getLogger(__name__)
 HF_MODEL_TARGET = "tq_plugin.rl.models.hf.HFCausalLM"
@@ -186,6 +188,7 @@ class RLRecipe:
         """Refuse an engine that cannot serve this run, before anything starts (one
         ``EngineError`` naming ``engine`` and what to do)."""
         name = self.engine_cfg.name
+        check_sampling(self.engine_cfg, SamplingControls.of(self.rc))
         if name == "native":
             return
         if hf_backbone(self.module.policy) is None:

@@ -24,6 +24,12 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from tq_plugin.config import ConfigError
+from tq_plugin.config.recipe_schema import sampling_problem
+from tq_plugin.rollout.sampling import (
+    SamplingControls,
+    process_logits,
+    seen_from_prompts,
+)
 
 # Weights as an engine takes them: (name, tensor) pairs named as the engine's model names them
 # (an HF checkpoint's names for ``hf`` and ``vllm``, the module's own for ``native``).
@@ -69,18 +75,33 @@ class SamplingParams:
     ``allowed_token_ids``: the tokens the policy may emit (all when ``None``); the others get
     no probability, as the trainer's logit bias gives them none. ``temperature=0`` is greedy
     decoding (its logprobs are the untempered distribution's).
+    ``top_k`` / ``top_p`` / ``min_p`` / ``repetition_penalty``: the processing of
+    :mod:`tq_plugin.rollout.sampling` (the defaults leave the distribution untouched); the
+    reported logprobs are the processed distribution's.
     """
 
     max_new_tokens: int
     temperature: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
         if not self.temperature >= 0:
             raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+        problem = sampling_problem(self.top_k, self.top_p, self.min_p, self.repetition_penalty)
+        if problem is not None:
+            raise ValueError(f"{problem[0]}: {problem[1]}")
+
+    @property
+    def controls(self) -> SamplingControls:
+        """The processing beyond the temperature (:mod:`tq_plugin.rollout.sampling`)."""
+        return SamplingControls(self.top_k, self.top_p, self.min_p, self.repetition_penalty)
 
 
 @dataclass
@@ -140,12 +161,19 @@ def allowed_mask(vocab: int, allowed_token_ids: Sequence[int] | None) -> torch.T
     return mask
 
 
-def sample_from(logits: torch.Tensor, temperature: float, u: torch.Tensor
+def sample_from(logits: torch.Tensor, temperature: float, u: torch.Tensor,
+                controls: SamplingControls | None = None, seen: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(tokens [B], logprobs [B])``: one draw per row from ``softmax(logits / T)`` by inverse
     CDF at ``u [B]``, and the draw's logprob under that distribution (host tensors).
-    ``temperature=0``: the most likely token, with its untempered logprob."""
-    logp = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1).cpu()
+    ``temperature=0``: the most likely token, with its untempered logprob. ``controls`` (when
+    active): the tempered logits are processed first (``seen [B, V]``: each row's tokens so
+    far, for the repetition penalty) and both the draw and its logprob are the processed
+    distribution's (:func:`~tq_plugin.rollout.sampling.process_logits`)."""
+    z = logits.float() / (temperature or 1.0)
+    if controls is not None and controls.active:
+        z, _ = process_logits(z, controls, None if seen is None else seen.to(z.device))
+    logp = torch.log_softmax(z, dim=-1).cpu()
     if temperature == 0:
         tok = logp.argmax(-1)
         return tok, logp.gather(1, tok.unsqueeze(1)).squeeze(1)
@@ -183,13 +211,19 @@ def cached_decode(step: CachedStep, prompts: Sequence[Sequence[int]], params: Sa
     out_lp = torch.zeros(b, steps)
     active = torch.ones(b, dtype=torch.bool)
     n_new = torch.zeros(b, dtype=torch.long)
-    allowed, cache = None, None
+    allowed, cache, seen = None, None, None
+    controls = params.controls
     for t in range(steps):
         last, cache = step(ids, mask, positions, cache)
         last = last.float().cpu()
         if allowed is None:
             allowed = allowed_mask(last.shape[-1], params.allowed_token_ids)
-        tok, lp = sample_from(restrict(last, allowed), params.temperature, u[:, t])
+        if seen is None and controls.penalised:
+            seen = seen_from_prompts(prompts, last.shape[-1])
+        tok, lp = sample_from(restrict(last, allowed), params.temperature, u[:, t], controls,
+                              seen)
+        if seen is not None:
+            seen[torch.arange(b), tok] = True
         out_tok[active, t] = tok[active]
         out_lp[active, t] = lp[active]
         n_new += active.long()

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from tq_plugin.rollout.engine import RolloutEngine, SamplingParams
+from tq_plugin.rollout.sampling import SamplingControls
 from tq_plugin.staging import (
     CaptureAdmission,
     ChainPrefixCache,
@@ -61,18 +62,23 @@ class RolloutWorker:
 
     ``task``: samples episodes and scores and answers each turn (``sample``, ``score``,
     ``feedback``, ``turns``, ``media``); ``stop_token_id`` ends a continuation (the task's EOS);
-    ``allowed_token_ids``: what the policy may emit (the task's output tokens).
+    ``allowed_token_ids``: what the policy may emit (the task's output tokens); ``controls``:
+    ``recipe.top_k`` / ``top_p`` / ``min_p`` / ``repetition_penalty`` (default: off).
     """
 
     def __init__(self, *, task: Any, sink: Any, max_new_tokens: int, temperature: float,
-                 stop_token_id: int, allowed_token_ids: list[int] | None = None) -> None:
+                 stop_token_id: int, allowed_token_ids: list[int] | None = None,
+                 controls: SamplingControls | None = None) -> None:
         self.task = task
         self.sink = sink
         self.eos = stop_token_id
+        controls = controls or SamplingControls()
         self.params = SamplingParams(
             max_new_tokens=max_new_tokens, temperature=temperature,
             stop_token_ids=(stop_token_id,),
-            allowed_token_ids=None if allowed_token_ids is None else tuple(allowed_token_ids))
+            allowed_token_ids=None if allowed_token_ids is None else tuple(allowed_token_ids),
+            top_k=controls.top_k, top_p=controls.top_p, min_p=controls.min_p,
+            repetition_penalty=controls.repetition_penalty)
         source = TQTokenSource(sink.store.dp_client, staging_partition=sink.staging_partition,
                                capture_media=sink.capture_media)
         self.prefix_cache = ChainPrefixCache(source)

@@ -327,8 +327,36 @@ def is_correction_weights(prev_logprobs: torch.Tensor, generation_logprobs: torc
     return torch.where(masked, torch.zeros_like(weights), torch.where(on, weights, ones)), masked
 
 
+def drop_outside_kept(lp: torch.Tensor, old: torch.Tensor, ref: torch.Tensor | None,
+                      mask: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor,
+                                 tuple[torch.Tensor, torch.Tensor]]:
+    """Make the loss finite where the sampling controls' kept set moved (``recipe.top_k`` /
+    ``top_p`` / ``min_p``): ``(lp, old, ref, mask, (dropped, ref_outside))``.
+
+    Scored under the engine's processing, a token outside the kept set has logprob ``-inf``.
+    On-policy every sampled token is inside it, but after an update the trainer's kept set
+    (``lp``), or the one of the step's no-grad pass (``old``), can exclude a sampled token:
+    such action tokens are **dropped** (mask 0: no policy-loss, KL or entropy term; ``lp`` and
+    ``old`` set to 0 there, so nothing non-finite reaches the loss or its gradient) and counted
+    (``dropped``; ``rl/outside_kept_fraction``). A token outside only the *reference's* kept set
+    (``ref``, ``recipe.beta > 0``) keeps its policy term; its reference logprob becomes the
+    policy's, detached (a zero KL term with a zero gradient), counted in ``ref_outside``."""
+    actions = mask > 0
+    dropped = actions & ~(torch.isfinite(lp) & torch.isfinite(old))
+    zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
+    lp = torch.where(dropped, zero, lp)
+    old = torch.where(dropped, zero.to(old.dtype), old)
+    mask = mask * ~dropped
+    ref_outside = torch.zeros_like(dropped)
+    if ref is not None:
+        ref_outside = (mask > 0) & ~torch.isfinite(ref)
+        ref = torch.where(ref_outside, lp.detach().to(ref.dtype), ref)
+    return lp, old, ref, mask, (dropped, ref_outside)
+
+
 __all__ = ["IMPORTANCE_SAMPLING_LEVELS", "KL_ESTIMATORS", "POLICY_LOSSES",
            "aggregate_loss", "approx_kl", "cispo_policy_loss", "clipped_policy_loss",
-           "clipped_value_loss", "importance_log_ratio", "is_correction_weights", "kl_penalty",
+           "clipped_value_loss", "drop_outside_kept", "importance_log_ratio", "is_correction_weights", "kl_penalty",
            "loss_normalizer", "policy_loss", "policy_objective", "register_policy_loss",
            "sequence_token_counts", "truncated_is_weights"]

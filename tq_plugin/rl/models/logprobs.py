@@ -52,6 +52,18 @@ for the device (``trainer.precision=bf16-mixed``), else the promoted dtype of ``
 softmax, so bf16 weights or hidden states give float32 logprobs and entropy. float64 inputs are
 computed in float64 (tests use it for the truth).
 
+**Sampling controls.** ``processing`` (a :class:`~tq_plugin.rollout.sampling.RowProcessing`,
+built by the shifted functions from ``controls``: ``top_k``, ``top_p``, ``min_p``,
+``repetition_penalty``) is applied to each chunk's tempered logits before the reduction, in
+forward and in the backward's recompute, so the logprobs (and entropy) are the processed,
+renormalised distribution's, the one the engine sampled from (:mod:`tq_plugin.rollout.sampling`).
+The kept set is a constant of the backward (as the sampling is); the repetition penalty's
+factor (``1 / penalty`` or ``penalty`` on seen tokens) multiplies the logits' gradient. A
+target outside the kept set gets ``-inf`` (the caller decides what that token trains:
+``tq_plugin.rl.training.module`` drops it from the loss and counts it). Without controls the
+path is the plain one, unchanged. The processing holds one more ``[c, V]`` bool (the penalty's
+seen tokens) and, for ``top_p``, a sort of the chunk (``[c, V]`` values and int64 indices).
+
 A ``-inf`` logit (a masked token) has probability 0 and adds nothing to the entropy or its
 gradient (the plain ``-(p * log p).sum()`` gives nan there). The backward is once-differentiable
 (no double backward).
@@ -65,6 +77,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
+
+from tq_plugin.rollout.sampling import RowProcessing, SamplingControls
 
 DEFAULT_CHUNK_TOKENS = 1024
 
@@ -190,7 +204,14 @@ def _no_autocast(device_type: str):
 
 
 # ---------------------------------------------------------------------------- from hidden states
-def _hidden_forward(hidden, weight, bias, targets, chunk, temperature, cdtype, with_entropy):
+def _processed(z: torch.Tensor, processing: Any, s: int, e: int
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``z`` (rows ``s:e``) after ``processing`` (module docstring), with the penalty's factor."""
+    return (z, None) if processing is None else processing(z, s, e)
+
+
+def _hidden_forward(hidden, weight, bias, targets, chunk, temperature, cdtype, with_entropy,
+                    processing=None):
     proj = _Projection(weight, bias, cdtype, temperature)
     n = hidden.shape[0]
     lp = torch.empty(n, dtype=proj.work, device=hidden.device)
@@ -198,7 +219,8 @@ def _hidden_forward(hidden, weight, bias, targets, chunk, temperature, cdtype, w
     ent = torch.empty_like(lp) if with_entropy else None
     for s in range(0, n, chunk):
         e = min(s + chunk, n)
-        lp_c, lse_c, ent_c = _reduce(proj(hidden[s:e]), targets[s:e], with_entropy)
+        lp_c, lse_c, ent_c = _reduce(_processed(proj(hidden[s:e]), processing, s, e)[0],
+                                     targets[s:e], with_entropy)
         lp[s:e], lse[s:e] = lp_c, lse_c
         if ent is not None:
             ent[s:e] = ent_c
@@ -208,11 +230,12 @@ def _hidden_forward(hidden, weight, bias, targets, chunk, temperature, cdtype, w
 class _HiddenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, chunk, temperature, cdtype, with_entropy,
-                entropy_grad):
+                entropy_grad, processing):
         with _no_autocast(hidden.device.type):
             lp, lse, ent = _hidden_forward(hidden, weight, bias, targets, chunk, temperature,
-                                           cdtype, with_entropy)
+                                           cdtype, with_entropy, processing)
         ctx.chunk, ctx.temperature, ctx.cdtype = chunk, temperature, cdtype
+        ctx.processing = processing
         ctx.has_bias, ctx.entropy_grad = bias is not None, entropy_grad
         saved = [hidden, weight, targets, lse] + ([bias] if bias is not None else [])
         return _saved_outputs(ctx, saved, lp, ent, entropy_grad=entropy_grad)
@@ -241,10 +264,14 @@ class _HiddenLogprobs(torch.autograd.Function):
             for s in range(0, n, ctx.chunk):
                 e = min(s + ctx.chunk, n)
                 h = hidden[s:e]
-                dz = _grad_logits(proj(h), targets[s:e], lse[s:e], g_lp[s:e].to(work),
+                z, factor = _processed(proj(h), ctx.processing, s, e)
+                dz = _grad_logits(z, targets[s:e], lse[s:e], g_lp[s:e].to(work),
                                   None if ent is None else ent[s:e],
                                   None if g_ent is None else g_ent[s:e].to(work),
                                   ctx.temperature)
+                del z  # dz is z's storage, worked in place: no second chunk stays alive
+                if factor is not None:
+                    dz.mul_(factor)
                 if need_h:
                     grad_h[s:e] = (dz.to(proj.cdtype) @ proj.weight).to(hidden.dtype)
                 if need_w:
@@ -254,7 +281,7 @@ class _HiddenLogprobs(torch.autograd.Function):
                 del dz
         grad_w = None if acc_w is None else acc_w.to(weight.dtype)
         grad_b = None if acc_b is None else acc_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 def token_logprobs_from_hidden(
@@ -267,6 +294,7 @@ def token_logprobs_from_hidden(
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    processing: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(logprobs [T], entropy [T] | None)`` of ``targets`` under ``softmax((hidden @ weight.T +
     bias) / temperature)``, float32 (float64 for float64 inputs), never holding more than one
@@ -279,7 +307,8 @@ def token_logprobs_from_hidden(
     distribution; ``entropy_grad``: make it differentiable (otherwise it is detached and nothing
     is saved for it). Gradients flow to ``hidden``, ``weight`` and ``bias`` (whichever require
     them) and equal the plain formula's. Under ``torch.no_grad`` (or when nothing requires a
-    gradient) nothing is saved at all.
+    gradient) nothing is saved at all. ``processing``: the sampling controls' processing of
+    each chunk (module docstring; ``None``: the plain distribution).
     """
     temperature = _check_options(chunk_tokens, temperature, with_entropy, entropy_grad)
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
@@ -296,10 +325,10 @@ def token_logprobs_from_hidden(
     if not tracked:
         with torch.no_grad(), _no_autocast(hidden.device.type):
             lp, _, ent = _hidden_forward(hidden, weight, bias, targets, chunk_tokens,
-                                         temperature, cdtype, with_entropy)
+                                         temperature, cdtype, with_entropy, processing)
         return lp, ent
     lp, ent = _HiddenLogprobs.apply(hidden, weight, bias, targets, chunk_tokens, temperature,
-                                    cdtype, with_entropy, entropy_grad)
+                                    cdtype, with_entropy, entropy_grad, processing)
     return lp, ent
 
 
@@ -317,7 +346,7 @@ def _logit_rows(logits: torch.Tensor, rows: torch.Tensor | None, s: int, e: int,
     return z
 
 
-def _logits_forward(logits, rows, targets, chunk, temperature, with_entropy):
+def _logits_forward(logits, rows, targets, chunk, temperature, with_entropy, processing=None):
     n = targets.shape[0]
     work = _work_dtype(logits.dtype)
     lp = torch.empty(n, dtype=work, device=logits.device)
@@ -325,8 +354,8 @@ def _logits_forward(logits, rows, targets, chunk, temperature, with_entropy):
     ent = torch.empty_like(lp) if with_entropy else None
     for s in range(0, n, chunk):
         e = min(s + chunk, n)
-        lp_c, lse_c, ent_c = _reduce(_logit_rows(logits, rows, s, e, temperature), targets[s:e],
-                                     with_entropy)
+        z = _processed(_logit_rows(logits, rows, s, e, temperature), processing, s, e)[0]
+        lp_c, lse_c, ent_c = _reduce(z, targets[s:e], with_entropy)
         lp[s:e], lse[s:e] = lp_c, lse_c
         if ent is not None:
             ent[s:e] = ent_c
@@ -335,9 +364,11 @@ def _logits_forward(logits, rows, targets, chunk, temperature, with_entropy):
 
 class _LogitsLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, rows, targets, chunk, temperature, with_entropy, entropy_grad):
-        lp, lse, ent = _logits_forward(logits, rows, targets, chunk, temperature, with_entropy)
-        ctx.chunk, ctx.temperature = chunk, temperature
+    def forward(ctx, logits, rows, targets, chunk, temperature, with_entropy, entropy_grad,
+                processing):
+        lp, lse, ent = _logits_forward(logits, rows, targets, chunk, temperature, with_entropy,
+                                       processing)
+        ctx.chunk, ctx.temperature, ctx.processing = chunk, temperature, processing
         ctx.has_rows, ctx.entropy_grad = rows is not None, entropy_grad
         saved = [logits, targets, lse] + ([rows] if rows is not None else [])
         return _saved_outputs(ctx, saved, lp, ent, entropy_grad=entropy_grad)
@@ -360,17 +391,21 @@ class _LogitsLogprobs(torch.autograd.Function):
         grad = torch.empty_like(logits) if rows is None else torch.zeros_like(logits)
         for s in range(0, n, ctx.chunk):
             e = min(s + ctx.chunk, n)
-            dz = _grad_logits(_logit_rows(logits, rows, s, e, ctx.temperature), targets[s:e],
-                              lse[s:e], g_lp[s:e].to(lse.dtype),
+            z, factor = _processed(_logit_rows(logits, rows, s, e, ctx.temperature),
+                                   ctx.processing, s, e)
+            dz = _grad_logits(z, targets[s:e], lse[s:e], g_lp[s:e].to(lse.dtype),
                               None if ent is None else ent[s:e],
                               None if g_ent is None else g_ent[s:e].to(lse.dtype),
                               ctx.temperature)
+            del z
+            if factor is not None:
+                dz.mul_(factor)
             if rows is None:
                 grad[s:e] = dz
             else:
                 grad.index_add_(0, rows[s:e], dz.to(grad.dtype))
             del dz
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
 def token_logprobs_from_logits(
@@ -382,6 +417,7 @@ def token_logprobs_from_logits(
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    processing: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(logprobs [T], entropy [T] | None)`` of ``targets [T]`` under ``softmax(logits[rows] /
     temperature)`` in float32, for a model that returns full ``logits [N, V]`` (any float dtype).
@@ -410,10 +446,10 @@ def token_logprobs_from_logits(
     if not (torch.is_grad_enabled() and logits.requires_grad):
         with torch.no_grad():
             lp, _, ent = _logits_forward(logits, rows, targets, chunk_tokens, temperature,
-                                         with_entropy)
+                                         with_entropy, processing)
         return lp, ent
     return _LogitsLogprobs.apply(logits, rows, targets, chunk_tokens, temperature, with_entropy,
-                                 entropy_grad)
+                                 entropy_grad, processing)
 
 
 # ---------------------------------------------------------------------------- next-token shift
@@ -437,6 +473,20 @@ def next_token_positions(input_ids: torch.Tensor, mask: torch.Tensor | None = No
     return dst - 1, dst
 
 
+def _row_processing(controls: SamplingControls | None, input_ids: torch.Tensor,
+                    positions: torch.Tensor | None, src: torch.Tensor) -> RowProcessing | None:
+    """The processing of the scored rows (each predicting the token after flat position
+    ``src``), or ``None`` without active controls. A sequence starts at its row's first
+    position, or, given ``positions [B, S]`` (a packed row), where its position is 0."""
+    if controls is None or not controls.active:
+        return None
+    if positions is None:
+        start = src - src % input_ids.shape[1]
+    else:
+        start = src - positions.reshape(-1).to(src.device).index_select(0, src).long()
+    return RowProcessing(controls, input_ids.reshape(-1), src, start)
+
+
 def _scatter(values: torch.Tensor | None, dst: torch.Tensor, shape: torch.Size
              ) -> torch.Tensor | None:
     if values is None:
@@ -458,13 +508,17 @@ def shifted_token_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    controls: SamplingControls | None = None,
+    positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(lp [B, S], entropy [B, S] | None)`` from the final hidden states ``[B, S, H]``:
     ``lp[b, t] = log p(input_ids[b, t] | input_ids[b, :t])``, computed only where ``mask [B, S]``
     is true (all positions when ``None``) and 0 at ``t = 0`` and elsewhere; ``entropy[b, t]`` is
     that distribution's entropy. At the selected positions these equal
     ``tiny.token_logprobs(hidden @ weight.T + bias, input_ids, temperature)`` (and ``entropy``),
-    with :func:`token_logprobs_from_hidden`'s memory bound."""
+    with :func:`token_logprobs_from_hidden`'s memory bound. ``controls``: score under the
+    sampling controls' processing (module docstring); ``positions [B, S]``: a packed row's
+    positions (each sequence's start, for the repetition penalty)."""
     if hidden.dim() != 3 or hidden.shape[:2] != input_ids.shape:
         raise ValueError(f"hidden must be [B, S, H] over input_ids {tuple(input_ids.shape)}, got "
                          f"{tuple(hidden.shape)}")
@@ -472,7 +526,8 @@ def shifted_token_logprobs(
     lp, ent = token_logprobs_from_hidden(
         hidden.reshape(-1, hidden.shape[-1]).index_select(0, src), weight, bias,
         input_ids.reshape(-1).index_select(0, dst), chunk_tokens=chunk_tokens,
-        temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad)
+        temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
+        processing=_row_processing(controls, input_ids, positions, src))
     return _scatter(lp, dst, input_ids.shape), _scatter(ent, dst, input_ids.shape)
 
 
@@ -485,6 +540,8 @@ def shifted_token_logprobs_from_logits(
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    controls: SamplingControls | None = None,
+    positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`shifted_token_logprobs` for a model's full ``logits [B, S, V]`` (read in chunks
     through :func:`token_logprobs_from_logits`; no ``[B, S, V]`` copy when they are contiguous)."""
@@ -495,7 +552,8 @@ def shifted_token_logprobs_from_logits(
     lp, ent = token_logprobs_from_logits(
         logits.reshape(-1, logits.shape[-1]), input_ids.reshape(-1).index_select(0, dst),
         rows=src, chunk_tokens=chunk_tokens, temperature=temperature,
-        with_entropy=with_entropy, entropy_grad=entropy_grad)
+        with_entropy=with_entropy, entropy_grad=entropy_grad,
+        processing=_row_processing(controls, input_ids, positions, src))
     return _scatter(lp, dst, input_ids.shape), _scatter(ent, dst, input_ids.shape)
 
 

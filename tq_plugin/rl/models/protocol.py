@@ -47,6 +47,7 @@ from tq_plugin.rl.models.logprobs import (
     shifted_token_logprobs,
     shifted_token_logprobs_from_logits,
 )
+from tq_plugin.rollout.sampling import SamplingControls
 
 ROLES = ("policy", "value")
 WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -111,18 +112,26 @@ class TokenScoring:
     ``mask [B, S]``: the positions that carry a loss (only they are projected; 0 elsewhere;
     ``None``: every position). ``chunk_tokens``: rows projected at a time
     (``tq.packing.logprob_chunk_tokens``). ``with_entropy``: also the entropy of the same
-    distribution, a detached metric unless ``entropy_grad`` (the loss uses it)."""
+    distribution, a detached metric unless ``entropy_grad`` (the loss uses it). ``controls``:
+    the sampling controls the engine applied after the temperature (``recipe.top_k`` /
+    ``top_p`` / ``min_p`` / ``repetition_penalty``); when active the logprobs and entropy are
+    the processed, renormalised distribution's (``-inf`` for a token outside its kept set;
+    :mod:`tq_plugin.rl.models.logprobs`). ``positions [B, S]``: a packed batch's position ids
+    (where each sequence starts, for the repetition penalty; ``None``: one sequence a row)."""
 
     mask: torch.Tensor | None = None
     temperature: float = 1.0
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     with_entropy: bool = False
     entropy_grad: bool = False
+    controls: SamplingControls | None = None
+    positions: torch.Tensor | None = None
 
     def _options(self) -> dict[str, Any]:
         return {"mask": self.mask, "chunk_tokens": self.chunk_tokens,
                 "temperature": self.temperature, "with_entropy": self.with_entropy,
-                "entropy_grad": self.entropy_grad}
+                "entropy_grad": self.entropy_grad, "controls": self.controls,
+                "positions": self.positions}
 
     def from_hidden(self, hidden: torch.Tensor, input_ids: torch.Tensor, weight: torch.Tensor,
                     bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:

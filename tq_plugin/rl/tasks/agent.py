@@ -29,6 +29,7 @@ from hydra.utils import get_method
 
 from tq_plugin.config import ConfigError
 from tq_plugin.rl.tasks.prompts import DatasetTask, render
+from tq_plugin.rollout.sampling import SamplingControls
 from tq_plugin.rollout.worker import RolloutBatch
 
 
@@ -127,6 +128,11 @@ class AgentTask(DatasetTask):
         if recipe.algorithm != "grpo":
             raise ConfigError(f"task=agent trains with recipe=grpo (one reward per rollout; "
                               f"recipe.algorithm={recipe.algorithm} needs per-turn rewards)")
+        active = SamplingControls.of(recipe).active_keys()
+        if active:  # the endpoint samples as each of the agent's requests asks
+            raise ConfigError(f"recipe.{active[0]}: task=agent samples as the agent's requests "
+                              f"ask (the OpenAI endpoint), not with the recipe's sampling "
+                              f"controls; leave recipe.{active[0]} at its default")
 
     def rollout_driver(self, sink: Any, *, max_new_tokens: int, max_model_len: int | None = None,
                        **_: Any) -> AgentRunner:

@@ -19,6 +19,8 @@ from torch import nn
 from tq_plugin.config.schema import EngineConfig
 from tq_plugin.rl.models.weights import write_engine_checkpoint
 from tq_plugin.rollout import RolloutWorker, build_engine
+from tq_plugin.rollout.engines import check_sampling
+from tq_plugin.rollout.sampling import SamplingControls
 from tq_plugin.staging import RolloutReassembler
 
 
@@ -53,6 +55,7 @@ def start_engine(cfg: DictConfig, policy: nn.Module, workdir: str | Path, *, wei
     checkpoint of ``policy`` written to ``workdir/engine_init`` (``hf``, ``vllm``; by ``rank``
     0, the others waiting at ``barrier`` when several ranks generate)."""
     options = engine_config(cfg)
+    check_sampling(options, SamplingControls.of(cfg.recipe))
     checkpoint = None
     if options.name != "native":
         checkpoint = write_engine_checkpoint(policy, Path(workdir) / "engine_init", rank=rank,
@@ -89,7 +92,8 @@ def build_rollout_side(cfg: DictConfig, task: Any, client: Any) -> RolloutSide:
     if rollout is None:
         rollout = RolloutWorker(task=task, sink=sink, temperature=rc.temperature,
                                 max_new_tokens=rc.max_new_tokens, stop_token_id=task.eos_token_id,
-                                allowed_token_ids=task.output_token_ids)
+                                allowed_token_ids=task.output_token_ids,
+                                controls=SamplingControls.of(rc))
     reassembler = RolloutReassembler(client, staging_partition=sink.staging_partition,
                                      capture_media=captures_media(cfg),
                                      pad_token_id=task.pad_token_id, clear_staged=True)

@@ -68,6 +68,10 @@ SUMMED_STATS = ("loss", "value_loss", "clipped_tokens", "action_tokens", "kl_sum
 # step as ``rl/is_*`` and ``rl/gen_logprob_abs_diff``; ``is_ratio_max`` combines by max.
 IS_SUMMED_STATS = ("is_ratio_sum", "is_masked_tokens", "gen_lp_abs_diff_sum")
 IS_MAX_STATS = ("is_ratio_max",)
+# With sampling controls on (recipe.top_k / top_p / min_p): action tokens outside the trainer's
+# kept set (dropped from the loss) and outside only the reference's (no KL term); summed, and
+# logged as rl/outside_kept_fraction / rl/ref_outside_kept_fraction only when reported.
+SAMPLING_STATS = ("outside_kept_tokens", "ref_outside_kept_tokens")
 
 
 def add_stats(acc: dict[str, float], stats: Mapping[str, float]) -> None:
@@ -81,6 +85,9 @@ def add_is_stats(acc: dict[str, float], stats: Mapping[str, float]) -> None:
     for key in IS_MAX_STATS:
         if key in stats:
             acc[key] = max(acc.get(key, float("-inf")), float(stats[key]))
+    for key in SAMPLING_STATS:
+        if key in stats:
+            acc[key] = acc.get(key, 0.0) + float(stats[key])
 
 
 def is_metrics(acc: Mapping[str, float]) -> dict[str, float]:
@@ -88,12 +95,17 @@ def is_metrics(acc: Mapping[str, float]) -> dict[str, float]:
     ``pi_old / pi_gen`` (before any cap or mask), the fraction of action tokens the correction
     masked out, and the mean ``|log pi_gen - log pi_old|``."""
     actions = max(acc.get("action_tokens", 0.0), 1.0)
-    return {
+    figures = {
         "is_ratio_mean": acc.get("is_ratio_sum", 0.0) / actions,
         "is_ratio_max": acc.get("is_ratio_max", 1.0),
         "is_masked_fraction": acc.get("is_masked_tokens", 0.0) / actions,
         "gen_logprob_abs_diff": acc.get("gen_lp_abs_diff_sum", 0.0) / actions,
     }
+    if "outside_kept_tokens" in acc:  # sampling controls on: of the sampled action tokens
+        sampled = max(acc.get("action_tokens", 0.0) + acc["outside_kept_tokens"], 1.0)
+        figures["outside_kept_fraction"] = acc["outside_kept_tokens"] / sampled
+        figures["ref_outside_kept_fraction"] = acc.get("ref_outside_kept_tokens", 0.0) / sampled
+    return figures
 
 
 # Where the IS figures of on-policy (colocated) rows stay while the engine serves the trained

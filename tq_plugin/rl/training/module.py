@@ -59,6 +59,7 @@ from tq_plugin.rl.algorithms.losses import (
     aggregate_loss,
     approx_kl,
     clipped_value_loss,
+    drop_outside_kept,
     is_correction_weights,
     policy_objective,
 )
@@ -85,6 +86,7 @@ from tq_plugin.rl.training.step_record import (
     record_loss_norm,
 )
 from tq_plugin.rollout.engines.native import device_of
+from tq_plugin.rollout.sampling import SamplingControls
 from tq_plugin.staging import MEDIA_IMGS_FIELD
 
 POLICY_TRAIN_FIELDS = [INPUT_IDS, INPUT_LENGTHS, TOKEN_MASK, SAMPLE_MASK, PREV_LOGPROBS, ADVANTAGES,
@@ -212,8 +214,9 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
             ids = td[INPUT_IDS]
             with self._precision_context():
                 if scores:  # the action tokens' logprobs only (0 elsewhere)
-                    out, _ = score_tokens(model, ids, self._scoring(td[TOKEN_MASK]),
-                                          **self._inputs(td, mb))
+                    inputs = self._inputs(td, mb)
+                    out, _ = score_tokens(model, ids, self._scoring(
+                        td[TOKEN_MASK], positions=inputs.get("position_ids")), **inputs)
                 else:
                     out = shift_values(model(ids, **self._inputs(td, mb))).float()
             self.write_to_dataplane(mb, {field: self.dp_rows(out.cpu())})
@@ -222,12 +225,19 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
                 model(torch.zeros(1, 1, dtype=torch.int64, device=device))
         model.train(was_training)
 
-    def _scoring(self, mask: torch.Tensor, *, with_entropy: bool = False) -> TokenScoring:
+    def _scoring(self, mask: torch.Tensor, *, with_entropy: bool = False,
+                 positions: torch.Tensor | None = None) -> TokenScoring:
         """The positions ``mask`` selects, scored in ``tq.packing.logprob_chunk_tokens`` chunks;
-        the entropy (a metric) is differentiated only when the loss uses it."""
+        the entropy (a metric) is differentiated only when the loss uses it. The policy's passes
+        and the reference's alike score under the engine's sampling controls (``recipe.top_k``
+        / ``top_p`` / ``min_p`` / ``repetition_penalty``; ``positions``: a packed batch's): the
+        reference's too, so its KL to the policy is 0 where they agree (docs/losses.md)."""
+        controls = SamplingControls.of(self.rc)
         return TokenScoring(mask=mask > 0, temperature=self.rc.temperature,
                             chunk_tokens=self.logprob_chunk_tokens, with_entropy=with_entropy,
-                            entropy_grad=with_entropy and bool(self.rc.entropy_coef))
+                            entropy_grad=with_entropy and bool(self.rc.entropy_coef),
+                            controls=controls if controls.active else None,
+                            positions=positions if controls.active else None)
 
     def _precision_context(self) -> Any:
         """The trainer's forward precision (``trainer.precision=bf16-mixed``: autocast), so the
@@ -312,8 +322,13 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         mask = mask * self._row_values(td[SAMPLE_MASK], mask)
         ids = td[INPUT_IDS]
         inputs = self._inputs(td, meta)
-        lp, ent = score_tokens(self.policy, ids, self._scoring(mask, with_entropy=True), **inputs)
+        lp, ent = score_tokens(self.policy, ids, self._scoring(
+            mask, with_entropy=True, positions=inputs.get("position_ids")), **inputs)
         old, gen = td[PREV_LOGPROBS], td[GENERATION_LOGPROBS]
+        ref = td[REFERENCE_POLICY_LOGPROBS] if self.reference is not None else None
+        outside = None
+        if SamplingControls.of(self.rc).active:
+            lp, old, ref, mask, outside = drop_outside_kept(lp, old, ref, mask)
         ic = self.rc.is_correction
         is_w, is_masked = is_correction_weights(
             old, gen, mask, mode=self.is_mode, cap=self.rc.is_cap, low=ic.min, high=ic.max,
@@ -325,8 +340,7 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
             rc.loss_type, lp, old, td[ADVANTAGES], mask, norm=norm, microbatches=microbatches,
             sequence_ids=seq_ids, clip_eps=rc.clip_eps, clip_eps_high=rc.clip_eps_high,
             cispo_cap=rc.cispo_cap, level=rc.importance_sampling_level, weights=is_w,
-            ref_logprobs=td[REFERENCE_POLICY_LOGPROBS] if self.reference is not None else None,
-            beta=rc.beta,
+            ref_logprobs=ref, beta=rc.beta,
             kl_estimator=rc.kl_estimator)
         ent = ent * mask
         if self.rc.entropy_coef:
@@ -348,6 +362,9 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
                 "is_masked_tokens": float(is_masked.sum()),
                 "gen_lp_abs_diff_sum": float(((gen - old).abs() * mask).sum()),
             }
+            if outside is not None:
+                stats["outside_kept_tokens"] = float(outside[0].sum())
+                stats["ref_outside_kept_tokens"] = float(outside[1].sum())
         if self.value is not None:
             v = shift_values(self.value(ids, **inputs))
             v_loss = clipped_value_loss(v, td[VALUES], td[RETURNS], clip_eps=self.rc.value_clip_eps)

@@ -14,6 +14,7 @@ from torch import nn
 from tq_plugin.config.schema import ENGINES
 from tq_plugin.rollout.engine import EngineError, RolloutEngine
 from tq_plugin.rollout.engines.native import NativeEngine
+from tq_plugin.rollout.sampling import SamplingControls
 
 
 def build_engine(options: Any, *, model: nn.Module | None = None,
@@ -48,4 +49,19 @@ def build_engine(options: Any, *, model: nn.Module | None = None,
                       threads=options.threads, weight_version=weight_version)
 
 
-__all__ = ["ENGINES", "NativeEngine", "build_engine"]
+def check_sampling(options: Any, controls: SamplingControls) -> None:
+    """Refuse, before the engine starts, sampling controls (``recipe.top_k`` / ``top_p`` /
+    ``min_p`` / ``repetition_penalty``) the configured engine cannot apply consistently with the
+    trainer. ``native`` and ``hf`` apply all four (:mod:`tq_plugin.rollout.sampling`); ``vllm``
+    applies them, but reports the processed distribution's logprobs only with
+    ``engine.logprobs_mode=processed_logprobs``."""
+    if not controls.active:
+        return
+    mode = getattr(options, "logprobs_mode", "processed_logprobs")
+    if options.name == "vllm" and mode != "processed_logprobs":
+        raise EngineError(f"engine=vllm: recipe.{controls.active_keys()[0]} needs "
+                          f"engine.logprobs_mode=processed_logprobs (the logprob of the "
+                          f"processed distribution the trainer scores), got {mode}")
+
+
+__all__ = ["ENGINES", "NativeEngine", "build_engine", "check_sampling"]

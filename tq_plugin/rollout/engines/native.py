@@ -34,6 +34,7 @@ from tq_plugin.rollout.engine import (
     sample_from,
 )
 from tq_plugin.rollout.engines.hf import transformers_step
+from tq_plugin.rollout.sampling import seen_from_prompts
 
 # Pads the token buffer; never read (causal attention, right padding).
 _PAD = 0
@@ -93,7 +94,8 @@ def decode(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingP
     out_lp = torch.zeros(b, steps)
     active = torch.ones(b, dtype=torch.bool)
     n_new = torch.zeros(b, dtype=torch.long)
-    allowed = None
+    allowed, seen = None, None
+    controls = params.controls
     was_training = model.training
     model.eval()
     try:
@@ -104,7 +106,12 @@ def decode(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingP
             last = logits[rows.to(device), (lens - 1).to(device)]
             if allowed is None:
                 allowed = allowed_mask(last.shape[-1], params.allowed_token_ids)
-            tok, lp = sample_from(restrict(last, allowed), params.temperature, u[:, step])
+            if seen is None and controls.penalised:
+                seen = seen_from_prompts(prompts, last.shape[-1])
+            tok, lp = sample_from(restrict(last, allowed), params.temperature, u[:, step],
+                                  controls, seen)
+            if seen is not None:
+                seen[rows, tok] = True
             out_tok[active, step] = tok[active]
             out_lp[active, step] = lp[active]
             buf[rows[active].to(device), lens[active].to(device)] = tok[active].to(device)

@@ -3,9 +3,12 @@
 The engine starts from an HF checkpoint directory (``save_pretrained``: config + safetensors),
 takes prompts as token ids (no tokenizer: ``skip_tokenizer_init``) and returns, per request,
 the sampled ids and one logprob per sampled token (``logprobs=0``). With
-``logprobs_mode="processed_logprobs"`` that logprob is taken after temperature scaling and the
-allowed-token restriction, i.e. under the distribution the trainer recomputes; vLLM's default
-(``raw_logprobs``) would be the unscaled log-softmax. Each request carries its own seed.
+``logprobs_mode="processed_logprobs"`` that logprob is taken after temperature scaling, the
+allowed-token restriction and the sampling controls (``top_k``, ``top_p``, ``min_p``,
+``repetition_penalty``: renormalised over the kept tokens), i.e. under the distribution the
+trainer recomputes (:mod:`tq_plugin.rollout.sampling`); vLLM's default (``raw_logprobs``) would
+be the unscaled log-softmax, so the controls refuse to start with it
+(:func:`tq_plugin.rollout.engines.check_sampling`). Each request carries its own seed.
 
 Weights are replaced in place: ``collective_rpc("reload_weights", weights_iterator=...)`` runs
 in this process, where the tensors need no serializing, then ``reset_prefix_cache`` drops KV
@@ -219,10 +222,13 @@ class VLLMEngine:
             raise EngineError("engine=vllm reads no pixels: use engine=native with "
                               "tq/staging=media")
         allowed = None if params.allowed_token_ids is None else list(params.allowed_token_ids)
+        # top_k 0 is "off" for vLLM too; its repetition penalty covers prompt and output tokens.
         sampling = [VLLMSampling(temperature=params.temperature, max_tokens=params.max_new_tokens,
                                  logprobs=0, seed=int(seed), detokenize=False,
                                  stop_token_ids=list(params.stop_token_ids),
-                                 allowed_token_ids=allowed) for seed in seeds]
+                                 allowed_token_ids=allowed, top_k=params.top_k,
+                                 top_p=params.top_p, min_p=params.min_p,
+                                 repetition_penalty=params.repetition_penalty) for seed in seeds]
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling,
                                     use_tqdm=False)
         completions = []
