@@ -23,6 +23,7 @@ LAYERS = {
     "tq_plugin.rollout": 4,
     "tq_plugin.rl": 5,
     "tq_plugin.cli": 6,
+    "tq_plugin.api": 6,
     "tq_plugin.demo": 6,
 }
 BACKEND_ONLY = {
