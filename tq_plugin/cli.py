@@ -280,13 +280,28 @@ def _first_values(overrides: Sequence[str]) -> list[str] | None:
     return out
 
 
-# TRL's GRPOConfig names a ported script sets, and the tq-train key of each (docs: losses.md).
+# TRL's GRPOConfig names a ported script sets that are spelt differently here, and the tq-train
+# key (or group option) of each; a name spelt the same (beta, temperature, loss_type, ...) needs
+# no entry. docs/coming-from-trl.md maps every name; tests/docs/test_coming_from_trl.py keeps the
+# page and this table in agreement.
 TRL_NAMES = {
-    "learning_rate": "recipe.lr", "num_generations": "recipe.group_size",
-    "max_completion_length": "recipe.max_new_tokens", "num_iterations": "recipe.ppo_epochs",
-    "max_steps": "recipe.num_steps", "epsilon": "recipe.clip_eps",
-    "epsilon_high": "recipe.clip_eps_high", "per_device_train_batch_size":
-        "recipe.prompts_per_step (x recipe.group_size completions)",
+    # optimisation
+    "learning_rate": "recipe.lr", "lr_scheduler_type": "recipe.lr_scheduler",
+    "optim": "recipe.optimizer", "max_steps": "recipe.num_steps",
+    "num_iterations": "recipe.ppo_epochs", "steps_per_generation": "recipe.minibatches",
+    "per_device_train_batch_size": "recipe.prompts_per_step (x recipe.group_size completions)",
+    "gradient_checkpointing": "model.gradient_checkpointing",
+    "bf16": "trainer.precision=bf16-mixed",
+    # generation
+    "num_generations": "recipe.group_size", "max_completion_length": "recipe.max_new_tokens",
+    "use_vllm": "engine=vllm", "shuffle_dataset": "task.shuffle",
+    # loss and the engine's importance-sampling correction
+    "epsilon": "recipe.clip_eps", "epsilon_high": "recipe.clip_eps_high",
+    "vllm_importance_sampling_mode": "recipe.is_correction.mode",
+    # rewards, evaluation, logging, checkpoints
+    "reward_weights": "task.rewards.<name>.weight", "eval_steps": "recipe.eval_every",
+    "log_completions": "recipe.log_completions_every", "save_steps": "recipe.checkpoint_every",
+    "report_to": "logger=csv|tensorboard|wandb|mlflow", "output_dir": "hydra.run.dir",
 }
 
 

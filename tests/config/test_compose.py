@@ -158,8 +158,8 @@ def test_option_composes_validates_and_instantiates(compose_train, tmp_path, gro
                               default_root_dir=str(tmp_path))
         assert isinstance(trainer, pl.Trainer)
         assert Path(trainer.default_root_dir) == tmp_path
-    elif group == "recipe":
-        assert typed["recipe"].algorithm == option
+    elif group == "recipe":  # trl_defaults: GRPO at TRL's defaults (tests/docs/test_coming_from_trl.py)
+        assert typed["recipe"].algorithm == {"trl_defaults": "grpo"}.get(option, option)
     elif group == "logger":
         from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 

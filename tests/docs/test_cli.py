@@ -76,6 +76,11 @@ def test_main_prints_the_help_and_returns(monkeypatch, capsys):
     ("tq/packng=none", "did you mean tq/packing=none?"),
     ("recipe.learning_rate=1e-4", "did you mean recipe.lr (TRL's learning_rate)?"),
     ("recipe.num_generations=8", "did you mean recipe.group_size (TRL's num_generations)?"),
+    ("recipe.lr_scheduler_type=cosine", "did you mean recipe.lr_scheduler (TRL's lr_scheduler_type)?"),
+    ("recipe.optim=sgd", "did you mean recipe.optimizer (TRL's optim)?"),
+    ("recipe.steps_per_generation=2",
+     "did you mean recipe.minibatches (TRL's steps_per_generation)?"),
+    ("recipe.use_vllm=true", "did you mean engine=vllm (TRL's use_vllm)?"),
 ])
 def test_an_unknown_key_or_option_gets_did_you_mean(override, said):
     lines = cli.check_overrides("train", [override])
