@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import difflib
 import functools
-import inspect
 import json
 import logging
 import os
@@ -100,8 +99,17 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         return {}
     backend = cfg.tq.backend._target_.rsplit(".", 1)[-1]
     print(f"\n[tq_plugin] {cfg.recipe.algorithm} on {backend}, packing={summary['packing']}, "
-          f"results in {output_dir()}\n{format_summary(summary)}", flush=True)
+          f"results in {output_dir()}\n{format_summary(summary)}{_samples_line()}", flush=True)
     return summary
+
+
+def _samples_line() -> str:
+    """The summary's line naming the run's sample-completion files, where it wrote any."""
+    from tq_plugin.rl.training.evaluation import EVAL_COMPLETIONS_FILE
+    from tq_plugin.rl.training.metrics import COMPLETIONS_FILE
+
+    names = [n for n in (COMPLETIONS_FILE, EVAL_COMPLETIONS_FILE) if (output_dir() / n).exists()]
+    return f"\nsample completions with their rewards: {', '.join(names)}" if names else ""
 
 
 def _full_error() -> bool:
@@ -190,19 +198,14 @@ def _where(frame: traceback.FrameSummary) -> str:
     return f"{frame.name}() at {frame.filename}:{frame.lineno}{code}"
 
 
-def _reward_function(message: str) -> str | None:
-    """``module.fn (file:line)`` of the reward a ``RewardError`` message names, if it imports."""
+def _reward_function(err: BaseException, message: str) -> str | None:
+    """Where the reward a ``RewardError`` names is defined (``module.fn at file:line``, which
+    the error carries), else its name as the message says it."""
+    where = getattr(err, "where", None)
+    if where:
+        return str(where)
     match = re.match(r"reward (\S+?):", message)
-    if not match:
-        return None
-    name = match.group(1)
-    try:
-        from hydra.utils import get_object
-
-        fn = inspect.unwrap(get_object(name))
-        return f"{name} at {inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}"
-    except Exception:  # noqa: BLE001  (a name that does not import: say the name alone)
-        return name
+    return match.group(1) if match else None
 
 
 def describe_error(exc: BaseException) -> list[str] | None:
@@ -230,7 +233,7 @@ def describe_error(exc: BaseException) -> list[str] | None:
             if len(user) > 1:
                 lines.append(f"  raised in {_where(user[-1])}")
         else:
-            where = _reward_function(message)
+            where = _reward_function(err, message)
             if where:
                 lines.append(f"  the function: {where}")
         lines.append("  fix: it is called by keyword (prompts, completions, completion_ids, the "
@@ -241,6 +244,8 @@ def describe_error(exc: BaseException) -> list[str] | None:
         lines.append("  fix: engine=native runs any model; engine=hf and engine=vllm serve "
                      "model=hf_causal_lm")
         lines.append("       (docs/topologies.md#rollout-engines)")
+    elif getattr(err, "fix", None):  # the error says how to fix it
+        lines.append(f"  fix: {err.fix}")
     else:
         key = _KEY.match(message)
         what = f"change {key.group(1)}" if key else "change the setting it names"
@@ -472,7 +477,10 @@ def help_text(config_name: str = "train", width: int = 100) -> str:
     out += ["", *wrap.wrap(
         "runs are written to outputs/<algorithm>/<date>_<time>/ (set hydra.run.dir=DIR): "
         "tq-train.log, metrics.csv, result.json, resolved_config.yaml, reward_curve.png, "
-        "engines.log (vLLM's and Ray's own logs; verbose=true shows them), the "
+        "engines.log (vLLM's and Ray's own logs; verbose=true shows them), completions.jsonl "
+        "(task=prompts: sample completions with each reward, every "
+        "recipe.log_completions_every steps and the last), eval_completions.jsonl (the "
+        "held-out completions of each evaluation), the "
         "final policy.safetensors (and value.safetensors), lightning_logs/ and checkpoints/. A "
         "sweep (-m) writes one folder per job under multirun/<algorithm>/<date>_<time>/ and "
         "comparison.{csv,md,png} beside them."), "",

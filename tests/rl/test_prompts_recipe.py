@@ -75,10 +75,23 @@ def test_a_reward_that_breaks_its_contract_fails_the_run_naming_it(monkeypatch, 
         entry(monkeypatch, tmp_path, *task, "recipe.num_steps=1",
               f"task.reward._target_={__name__}.wrong_length")
     assert info.value.code == 1
-    err = capsys.readouterr().err
-    # Named as TRL names a reward function: its __name__.
+    out, err = capsys.readouterr()
+    # Named as TRL names a reward function: its __name__; then where it is defined, and
+    # nothing before the message (its name was once looked up as a module, in three lines).
     assert "reward wrong_length: returned 1 values for 16" in err
+    assert f"  the function: {__name__}.wrong_length at {__file__}:" in err
+    assert "No module named" not in out + err
     assert not (tmp_path / "result.json").exists()
+
+
+@pytest.mark.timeout(240)
+def test_sample_completions_cover_the_last_step_and_the_summary_names_them(
+        monkeypatch, tmp_path, tiny, capsys):
+    _, task = tiny
+    entry(monkeypatch, tmp_path, *task, "recipe.num_steps=2", "recipe.log_completions_every=5")
+    rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in rows}) == [0, 1]  # step 0 (every 5) and the last
+    assert "sample completions with their rewards: completions.jsonl" in capsys.readouterr().out
 
 
 def _recipe(tmp_path, task, *overrides):

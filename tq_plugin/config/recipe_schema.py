@@ -192,8 +192,9 @@ class RecipeConfig:
     beta: float = 0.0
     kl_estimator: str = "k3"
     reference_path: str | None = None
-    # task=prompts: a few (prompt, completion, each reward) rows every this many RL steps to
-    # completions.jsonl and the loggers that take text; 0: never.
+    # task=prompts: a few (prompt, completion, each reward) rows every this many RL steps and at
+    # the last step to completions.jsonl in the run dir and the loggers that take text (colocated
+    # runs); 0: never.
     log_completions_every: int = 10
     # model=hf_causal_lm: the trained policy is written as a save_pretrained directory
     # (<run>/hf_policy: config, safetensors, tokenizer, generation config) at the end, and as

@@ -399,7 +399,11 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?"
 
 def check_pretrained_path(path: str) -> None:
     """``model.pretrained_path`` must be a local directory; a Hub id (not an existing path) gets
-    one message saying how to download it (nothing is ever downloaded)."""
+    one message saying how to download it (nothing is ever downloaded); an empty one is refused
+    (``Path("")`` is the working directory)."""
+    if not path.strip():
+        _fail("model.pretrained_path", "is empty: name a local save_pretrained directory "
+              "(model.pretrained_path=<dir>), or null for a model initialised at random")
     if Path(path).exists() or not _HUB_ID.fullmatch(path) or path.startswith("."):
         return
     _fail("model.pretrained_path", f"{path!r} is not a local directory; it looks like a Hugging "

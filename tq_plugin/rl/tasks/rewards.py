@@ -41,14 +41,15 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib
 import inspect
 import math
+import os
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-from hydra.utils import get_object
 
 from tq_plugin.config import ConfigError
 
@@ -57,7 +58,71 @@ RewardFn = Callable[..., Sequence[float | None]]
 
 class RewardError(RuntimeError):
     """A reward function broke its contract (raised, wrong length, non-finite value, a required
-    argument nothing supplies); the message names the function."""
+    argument nothing supplies); the message names the function, ``where`` (when the raiser
+    passes ``function``) says where it is defined: ``module.name at file:line``."""
+
+    def __init__(self, message: str, *, function: Any = None) -> None:
+        super().__init__(message)
+        self.where = definition(function) if function is not None else None
+
+
+def definition(fn: Any) -> str | None:
+    """``module.qualname at file:line`` of a function (partials and wrappers unwrapped; an
+    instance's class); what of it can be found."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = inspect.unwrap(fn) if callable(fn) else fn
+    if not (inspect.isfunction(fn) or inspect.ismethod(fn) or inspect.isclass(fn)):
+        fn = type(fn)
+    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
+    try:
+        return f"{name} at {inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}"
+    except (OSError, TypeError):
+        return name
+
+
+def _not_found(key: str, target: str, module: str) -> ConfigError:
+    """A ``ConfigError`` for a target whose top-level module is nowhere on the import path,
+    with the fix (``fix``: the line ``tq-train`` prints after the message)."""
+    cwd = os.getcwd()
+    where = "PYTHONPATH, the installed packages" + (
+        f", the working directory {cwd}" if cwd in sys.path or "" in sys.path else "")
+    exc = ConfigError(f"{key}: cannot import {target!r}: no module named {module!r} on the "
+                      f"import path ({where})")
+    exc.fix = (f"run from the folder that holds {module}.py, or put that folder on the import "
+               f"path: PYTHONPATH=<folder> tq-train ...")
+    return exc
+
+
+def import_target(target: str, key: str) -> Any:
+    """The object ``target`` names (``module.function``, ``package.module.Class.method``),
+    imported without Hydra's error log. What fails is a one-line ``ConfigError`` naming ``key``:
+    a module that is not on the import path (and how to put it there), a module that raised
+    while importing, a missing attribute."""
+    parts = target.split(".")
+    if len(parts) < 2 or not all(parts):
+        raise ConfigError(f"{key}: {target!r} is not module.function (e.g. my_reward.reward)")
+    for cut in range(len(parts) - 1, 0, -1):
+        module = ".".join(parts[:cut])
+        try:
+            obj = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name is not None and (module + ".").startswith(exc.name + "."):
+                continue  # no such module (or package): a shorter prefix may be one
+            raise ConfigError(f"{key}: cannot import {target!r}: importing {module} raised "
+                              f"ModuleNotFoundError: {exc}") from exc
+        except Exception as exc:  # the user's module failed while it ran
+            raise ConfigError(f"{key}: cannot import {target!r}: importing {module} raised "
+                              f"{type(exc).__name__}: {exc}") from exc
+        break
+    else:
+        raise _not_found(key, target, parts[0])
+    for i, attr in enumerate(parts[cut:]):
+        if not hasattr(obj, attr):
+            raise ConfigError(f"{key}: cannot import {target!r}: {'.'.join(parts[:cut + i])} "
+                              f"has no {attr!r}")
+        obj = getattr(obj, attr)
+    return obj
 
 
 @dataclass(frozen=True)
@@ -129,7 +194,7 @@ class Reward:
             raise RewardError(f"reward {self.name}: takes {missing}, which nothing supplies (the "
                               f"arguments: prompts, completions, completion_ids, trainer_state, "
                               f"log_extra, log_metric and the dataset columns "
-                              f"{sorted(call.columns)})")
+                              f"{sorted(call.columns)})", function=self.fn)
         if self.accepts is None:
             return supplied
         return {k: v for k, v in supplied.items() if k in self.accepts}
@@ -138,21 +203,21 @@ class Reward:
         """``out`` as floats, ``None`` as NaN; a breach of the contract is a ``RewardError``."""
         if isinstance(out, (str, bytes)) or not isinstance(out, Sequence) and not hasattr(out, "tolist"):
             raise RewardError(f"reward {self.name}: must return a list of floats (or None), got "
-                              f"{type(out).__name__}")
+                              f"{type(out).__name__}", function=self.fn)
         out = out.tolist() if hasattr(out, "tolist") else list(out)
         try:
             values = [math.nan if v is None else float(v) for v in out]
         except (TypeError, ValueError) as exc:
             raise RewardError(f"reward {self.name}: must return a list of floats (or None), got "
-                              f"{type(out).__name__} ({exc})") from exc
+                              f"{type(out).__name__} ({exc})", function=self.fn) from exc
         if len(values) != n:
             raise RewardError(f"reward {self.name}: returned {len(values)} values for {n} "
-                              f"completions")
+                              f"completions", function=self.fn)
         bad = [i for i, (v, o) in enumerate(zip(values, out)) if o is not None and not math.isfinite(v)]
         if bad:
             raise RewardError(f"reward {self.name}: non-finite value {values[bad[0]]!r} for "
                               f"completion {bad[0]} (of {len(bad)} such; return None for a "
-                              f"completion the reward does not apply to)")
+                              f"completion the reward does not apply to)", function=self.fn)
         return values
 
     def __call__(self, call: RewardCall) -> list[float]:
@@ -208,10 +273,7 @@ def load_reward(spec: Mapping[str, Any], *, key: str, name: str | None = None) -
     target = spec.get("_target_")
     if not target:
         raise ConfigError(f"{key}._target_: must name a reward function (module.fn)")
-    try:
-        fn = get_object(str(target))
-    except Exception as exc:
-        raise ConfigError(f"{key}._target_: cannot import {target!r} ({exc})") from exc
+    fn = import_target(str(target), f"{key}._target_")
     if not callable(fn):
         raise ConfigError(f"{key}._target_: {target!r} is not callable")
     weight = float(spec.get("weight", 1.0))
@@ -311,5 +373,5 @@ def token_match(completions: list[Any], answer: list[Any], **_: Any) -> list[flo
 
 
 __all__ = ["Reward", "RewardCall", "RewardError", "RewardFn", "TrainerState", "combine",
-           "completion_text", "exact_match", "load_reward", "load_rewards", "reward_name",
-           "score_all", "token_match", "weighted_nansum"]
+           "completion_text", "definition", "exact_match", "import_target", "load_reward",
+           "load_rewards", "reward_name", "score_all", "token_match", "weighted_nansum"]

@@ -18,8 +18,8 @@ Each RL step (``prepare_step``, called by the ``MetaDataModule`` inside the fit'
 
 A task with a reward log (``task=prompts``) gets its per-reward figures
 (``rewards/<name>/mean``, ``/std``) into the step record, and every
-``recipe.log_completions_every`` steps a few sample completions into ``completions.jsonl`` and
-the loggers that take text.
+``recipe.log_completions_every`` steps (and at the last step) a few sample completions into
+``completions.jsonl`` and the loggers that take text.
 
 Under DDP on the embedded store every rank replays the same rollouts (one rollout stream, the
 same generator state on every rank) and keeps its length-balanced shard of the rows
@@ -186,13 +186,15 @@ class Colocated(StepSource):
 
     def reward_log(self, step: int) -> dict[str, float]:
         """The task's per-reward figures of the step (a task with a reward log only) and, every
-        ``recipe.log_completions_every`` steps, its sample completions (rank 0 writes them)."""
+        ``recipe.log_completions_every`` steps and at the run's last step, its sample
+        completions (rank 0 writes them)."""
         log = self.task.drain_reward_log()
         if not log:
             return {}
         every = self.rc.log_completions_every
+        due = bool(every) and (step % every == 0 or step == self.rc.num_steps - 1)
         trainer = self.module._trainer
-        if every and step % every == 0 and (trainer is None or trainer.is_global_zero):
+        if due and (trainer is None or trainer.is_global_zero):
             log_completions(completion_rows(log, step, COMPLETIONS_PER_LOG),
                             output_dir=self.output_dir,
                             loggers=list(trainer.loggers) if trainer is not None else [], step=step)
