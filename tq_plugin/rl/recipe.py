@@ -251,15 +251,15 @@ class RLRecipe:
                          self.cfg.get("callbacks"), progress_bar=bar),
                      # last: after every other callback, as the module's own hook was
                      self.step_hooks]
-        self.trainer = instantiate(self.cfg.trainer, max_steps=max_steps,
-                                   default_root_dir=str(self.output_dir), callbacks=callbacks,
-                                   logger=self._loggers(), enable_progress_bar=bar)
-        self.global_batch = self.rc.prompts_per_step * self.rc.group_size // self.rc.minibatches
         for key, instead in (("gradient_clip_val", "recipe.max_grad_norm"),
                              ("gradient_clip_algorithm", "recipe.max_grad_norm (a norm clip)")):
             if self.cfg.trainer.get(key) is not None:
                 raise ConfigError(f"trainer.{key}: the RL module clips its gradients itself; "
                                   f"set {instead} instead")
+        self.trainer = instantiate(self.cfg.trainer, max_steps=max_steps,
+                                   default_root_dir=str(self.output_dir), callbacks=callbacks,
+                                   logger=self._loggers(), enable_progress_bar=bar)
+        self.global_batch = self.rc.prompts_per_step * self.rc.group_size // self.rc.minibatches
         ranks.check_parallel_run(self.trainer, backend=self.cfg.tq.backend,
                                  global_batch=self.global_batch,
                                  save_artifacts=self.rc.save_artifacts,
