@@ -6,12 +6,11 @@ from __future__ import annotations
 import itertools
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from tq_plugin.config import ConfigError
+from tq_plugin.config import ConfigError, RecipeConfig
 from tq_plugin.data_plane import TOTAL_REWARD, LocalDataPlane
 from tq_plugin.rl.tasks.agent import AgentError, AgentTask, load_agent, reward_of
 from tq_plugin.rl.tasks.tiny_text import make_tiny_model
@@ -79,9 +78,9 @@ def test_one_reward_per_rollout_trains_with_grpo_only(tiny):
     data, model = tiny
     task = AgentTask(path=str(data / "train.jsonl"), tokenizer=str(model),
                      agent={"_target_": f"{__name__}.two_calls"})
-    task.check_recipe(SimpleNamespace(algorithm="grpo"))
+    task.check_recipe(RecipeConfig(algorithm="grpo"))
     with pytest.raises(ConfigError, match="task=agent trains with recipe=grpo"):
-        task.check_recipe(SimpleNamespace(algorithm="ppo"))
+        task.check_recipe(RecipeConfig(algorithm="ppo"))
     assert task.turns == 1 and task.output_token_ids is None
     assert task.eos_token_id == task.tokenizer.eos_token_id
 
