@@ -146,16 +146,17 @@ def _task(cfg: DictConfig) -> dict[str, Any]:
         return result
 
 
-def _report(lines: Sequence[str]) -> None:
+def _report(lines: Sequence[str], *, trace_hint: bool = True) -> None:
     """Write the lines to stderr, after closing any progress bar still open on the console (so the
-    message starts on a line of its own)."""
+    message starts on a line of its own), then, with ``trace_hint``, how to see the traceback."""
     sys.stdout.flush()
     tqdm = sys.modules.get("tqdm.std")
     bars = list(getattr(getattr(tqdm, "tqdm", None), "_instances", ()) or ())
     for bar in bars:
         bar.leave = False
         bar.close()
-    sys.stderr.write(("\n" if bars else "") + "\n".join([*lines, FULL_ERROR_HINT]) + "\n")
+    sys.stderr.write(("\n" if bars else "") + "\n".join(
+        [*lines, *([FULL_ERROR_HINT] if trace_hint else [])]) + "\n")
     sys.stderr.flush()
 
 
@@ -393,12 +394,13 @@ def _bad_override(message: str, cause: BaseException | None, config_name: str,
                 lines.append(f"  did you mean {hint[0]}={value}?")
             lines.append(f"  the groups: {', '.join(groups)} (`{PROG} --help`)")
             return lines
-        lines = [f"{PROG}: unknown config key '{key}'"]
         trl = _trl_name(key)
+        if trl is not None:  # a TRL name with a known equivalent: that one line says it all
+            return [(f"{PROG}: unknown config key '{key}': did you mean {trl} (TRL's "
+                    f"{key.rsplit('.', 1)[-1]})?")]
+        lines = [f"{PROG}: unknown config key '{key}'"]
         hint = _suggest(key, [k for k in keys if "/" not in k])
-        if trl is not None:
-            lines.append(f"  did you mean {trl} (TRL's {key.rsplit('.', 1)[-1]})?")
-        elif hint:
+        if hint:
             lines.append(f"  did you mean {' or '.join(hint)}?")
         lines.append(f"  every key with its value: `{PROG} --help-all`; a key of your own: "
                      f"+{key}=...")
@@ -530,8 +532,8 @@ def main(config_name: str = "train") -> None:
         overrides = _overrides(argv)
         lines = (check_overrides(_config_name(argv, config_name), overrides)
                  if overrides is not None else None)
-        if lines:
-            _report(lines)
+        if lines:  # the command line's own mistake: no traceback to point at
+            _report(lines, trace_hint=False)
             sys.exit(1)
     hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name=config_name)(_task)()
     from tq_plugin.rl.training.sweep_report import LAST_REPORT
