@@ -37,9 +37,16 @@ def recipe_for(tmp_path, overrides: list[str]) -> RLRecipe:
 
 
 def logged_rows(tmp_path) -> list[dict]:
+    """The run dir's metrics.csv rows (one per RL step), each checked against the logger's row
+    of the same optimizer step (one optimizer step per RL step here)."""
+    with open(tmp_path / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
     (path,) = tmp_path.glob("lightning_logs/version_*/metrics.csv")
     with open(path) as f:
-        return [r for r in csv.DictReader(f) if r.get("rl/is_ratio_mean")]
+        logged = [r for r in csv.DictReader(f) if r.get("rl/is_ratio_mean")]
+    assert [float(r["is_ratio_mean"]) for r in rows] == pytest.approx(
+        [float(r["rl/is_ratio_mean"]) for r in logged], rel=1e-5)
+    return rows
 
 
 VLLM = [pytest.mark.slow, pytest.mark.timeout(300),
@@ -64,9 +71,9 @@ def test_on_policy_is_ratio_stays_at_one_under_top_p_and_top_k(tmp_path, engine,
     rows = logged_rows(tmp_path)
     assert len(rows) == 2
     for r in rows:
-        assert 0.98 <= float(r["rl/is_ratio_mean"]) <= 1.02, r
+        assert 0.98 <= float(r["is_ratio_mean"]) <= 1.02, r
         # on-policy, every sampled token is in the trainer's kept set
-        assert float(r["rl/outside_kept_fraction"]) == 0.0
+        assert float(r["outside_kept_fraction"]) == 0.0
 
 
 def test_the_full_softmax_would_bias_the_ratio_by_the_kept_mass(tmp_path, monkeypatch):
@@ -84,7 +91,7 @@ def test_the_full_softmax_would_bias_the_ratio_by_the_kept_mass(tmp_path, monkey
     recipe.setup()
     recipe.train()
     recipe.cleanup()
-    assert all(float(r["rl/is_ratio_mean"]) < 0.9 for r in logged_rows(tmp_path))
+    assert all(float(r["is_ratio_mean"]) < 0.9 for r in logged_rows(tmp_path))
 
 
 @pytest.mark.parametrize(("key", "value", "rule"), [

@@ -52,3 +52,13 @@ def test_logged_figures_are_the_csv_figures_reduced_over_ranks() -> None:
 def test_one_rank_logs_its_own_sums() -> None:
     host = SimpleNamespace(trainer=SimpleNamespace(world_size=1, strategy=None))
     assert reduce_over_ranks(host.trainer, dict(RANK0)) == RANK0
+
+
+def test_the_csv_importance_ratio_is_over_every_ranks_tokens_its_max_the_largest() -> None:
+    a = step_record({**RANK0, "is_ratio_sum": 40.0, "is_ratio_max": 1.5, "is_masked_tokens": 2.0})
+    b = step_record({**RANK1, "is_ratio_sum": 22.0, "is_ratio_max": 1.2, "is_masked_tokens": 1.0})
+    row = ranks.merge_rank_steps([[a], [b]])[0].row()
+    assert row["is_ratio_mean"] == pytest.approx(62.0 / 60.0, rel=1e-5)
+    assert row["is_ratio_max"] == 1.5
+    assert row["is_masked_fraction"] == pytest.approx(3.0 / 60.0, rel=1e-5)
+    assert a.row()["is_ratio_mean"] == 1.0  # one rank's own: 40 / 40

@@ -291,6 +291,8 @@ class StepRecord:
     lr: float = float("nan")
     grad_norm_sum: float = 0.0
     grad_norms: int = 0
+    # The importance-sampling sums (add_is_stats): the step's is_ratio_mean and friends.
+    is_sums: dict[str, float] = field(default_factory=dict)
 
     def add(self, stats: Mapping[str, float], *, last_in_global_batch: bool) -> None:
         add_stats(self.sums, stats)
@@ -299,6 +301,7 @@ class StepRecord:
         if "grad_norm" in stats:
             self.grad_norm_sum += float(stats["grad_norm"])
             self.grad_norms += 1
+        add_is_stats(self.is_sums, stats)
         self.peak_mem_mb = max(self.peak_mem_mb, float(stats.get("peak_mem_mb", 0.0)))
         self.microbatches += 1
         self.global_batches += int(last_in_global_batch)
@@ -332,6 +335,9 @@ class StepRecord:
             "lr": float(f"{self.lr:.6g}"),
             "grad_norm": (round(self.grad_norm_sum / self.grad_norms, 5) if self.grad_norms
                           else float("nan")),
+            **{k: float(f"{v:.6g}") for k, v in
+               is_metrics({**self.is_sums, "action_tokens": self.sums.get("action_tokens", 0.0)}
+                          ).items()},
             **{k: round(float(v), 5) for k, v in sorted(self.figures.items())},
             "rollout_s": round(self.rollout_s, 4),
             "prepare_s": round(self.prepare_s, 4),

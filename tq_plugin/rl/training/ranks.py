@@ -293,12 +293,17 @@ def merge_rank_steps(per_rank: list[list[Any]]) -> list[Any]:
             for key, value in record.sums.items():
                 sums[key] = sums.get(key, 0.0) + value
         _unscale(sums, world)
+        is_sums: dict[str, float] = {}
+        for record in records:
+            for key, value in record.is_sums.items():
+                pick = max if key in IS_MAX_STATS else (lambda a, b: a + b)
+                is_sums[key] = pick(is_sums[key], value) if key in is_sums else value
         first = records[0]
         train_s = max(r.train_s for r in records)
         figures = rl_metrics(sums, first.global_batches)
         figures["tokens_per_s"] = sums.get("real_tokens", 0.0) / train_s if train_s else 0.0
         merged.append(dataclasses.replace(
-            first, sums=sums, **figures, train_s=train_s,
+            first, sums=sums, is_sums=is_sums, **figures, train_s=train_s,
             real_tokens=sums.get("real_tokens", 0.0), padded_tokens=sums.get("padded_tokens", 0.0),
             microbatches=sum(r.microbatches for r in records),
             rank_peak_mem_mb=[r.peak_mem_mb for r in records],
