@@ -311,6 +311,9 @@ class ReasoningGymTaskConfig:
     answer_format: str = "last_number"
     # Weight of a reward worth 1 when an answer could be extracted; 0: off.
     format_bonus: float = 0.0
+    # false: the score reward is 1 where score_answer is 1 (fully right), else 0 (no partial
+    # credit, e.g. basic_arithmetic's 0.67 for 138 against 38).
+    partial_credit: bool = True
     # More reward functions, as task=prompts' task.rewards.<name>.
     rewards: Any = field(default_factory=dict)
     turns: int = 1

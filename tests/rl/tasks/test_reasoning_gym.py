@@ -59,6 +59,24 @@ def test_the_reward_is_score_answer_on_the_extracted_answer(tok_dir, dataset):
     assert task.score_reward(completions=["no idea"] * len(rows), **cols) == [0.0] * len(rows)
 
 
+@pytest.mark.parametrize("partial", [True, False])
+def test_partial_credit_off_rewards_only_fully_right_answers(tok_dir, partial):
+    task = make(tok_dir, dataset="basic_arithmetic", config={}, partial_credit=partial)
+    row = task.rows[0]
+    entry = {"question": row["question"], "answer": row["answer"], "metadata": row["metadata"]}
+    near = f"1{row['answer']}"  # the gold inside a longer number: partial credit
+    assert 0.0 < task.dataset.score_answer(near, entry) < 1.0
+    cols = {"question": [row["question"]] * 3, "answer": [row["answer"]] * 3,
+            "metadata": [row["metadata"]] * 3}
+    got = task.score_reward(completions=[row["answer"], near, "no idea"], **cols)
+    assert got == [1.0, task.dataset.score_answer(near, entry) if partial else 0.0, 0.0]
+
+
+def test_partial_credit_must_be_a_bool(tok_dir):
+    with pytest.raises(ConfigError, match="task.partial_credit: must be true or false"):
+        make(tok_dir, dataset="chain_sum", partial_credit="no")
+
+
 def test_score_through_the_worker_interface_and_the_format_bonus(tok_dir):
     task = make(tok_dir, dataset="chain_sum", format_bonus=0.5)
     assert [r.name for r in task.rewards] == ["score", "format"]

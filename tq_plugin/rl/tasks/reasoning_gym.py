@@ -10,7 +10,10 @@ after an optional ``task.system_prompt``, rendered through the tokenizer's chat 
 The reward is the dataset's own ``score_answer(extracted, entry)`` on the answer extracted from
 the completion (``task.answer_format``: ``last_number``, ``last_line`` or ``answer_tag``, the
 text inside the last ``<answer>...</answer>``), named ``score`` in the metrics
-(``rewards/score/mean``); ``task.format_bonus`` (0: off) adds a reward ``format`` worth 1 when an
+(``rewards/score/mean``). Many datasets give partial credit (``basic_arithmetic``: 0.67 for
+``138`` against ``38``, the gold a substring of the answer); ``task.partial_credit=false``
+trains on the fully right answers only (1 where ``score_answer`` is 1, else 0), which is what
+held-out accuracy counts. ``task.format_bonus`` (0: off) adds a reward ``format`` worth 1 when an
 answer could be extracted at all. More reward functions go under ``task.rewards.<name>`` as with
 ``task=prompts``; they see the columns ``question``, ``answer`` and ``metadata``.
 
@@ -154,6 +157,7 @@ class ReasoningGymTask(PromptTask):
         instruction: str | None = None,
         answer_format: str = "last_number",
         format_bonus: float = 0.0,
+        partial_credit: bool = True,
         rewards: Mapping[str, Mapping[str, Any]] | None = None,
         turns: int = 1,
         feedback_good: str = " Correct.",
@@ -174,8 +178,12 @@ class ReasoningGymTask(PromptTask):
             raise ConfigError(f"task.eval_size: must be >= 0, got {eval_size}")
         if not math.isfinite(float(format_bonus)):
             raise ConfigError(f"task.format_bonus: must be finite, got {format_bonus!r}")
+        if not isinstance(partial_credit, bool):
+            raise ConfigError(f"task.partial_credit: must be true or false, got "
+                              f"{partial_credit!r}")
         self.dataset_name = dataset
         self.answer_format = answer_format
+        self.partial_credit = partial_credit
         self.system_prompt = system_prompt
         self.instruction = INSTRUCTIONS[answer_format] if instruction is None else instruction
         config = _plain(config) or {}
@@ -247,10 +255,12 @@ class ReasoningGymTask(PromptTask):
 
     def score_reward(self, completions: list[Any], question: list[str], answer: list[str],
                      metadata: list[Any], **_: Any) -> list[float]:
-        """The ``score`` reward: ``score_answer`` on each completion's extracted answer."""
-        return [self.score_entry(self.extract(completion_text(c)),
-                                 {"question": q, "answer": a, "metadata": m})
-                for c, q, a, m in zip(completions, question, answer, metadata)]
+        """The ``score`` reward: ``score_answer`` on each completion's extracted answer (without
+        ``partial_credit``: 1 where it is 1, else 0)."""
+        scores = [self.score_entry(self.extract(completion_text(c)),
+                                   {"question": q, "answer": a, "metadata": m})
+                  for c, q, a, m in zip(completions, question, answer, metadata)]
+        return scores if self.partial_credit else [float(s >= 1.0) for s in scores]
 
     def format_reward(self, completions: list[Any], **_: Any) -> list[float]:
         """The ``format`` reward: 1 when an answer could be extracted."""
