@@ -7,9 +7,10 @@ work (``python -m benchmarks.run_all bench_real_model``; the full run is ~1 h on
 The same work on both sides: the model directory (its parameters hashed as each side loads
 them), the task's training questions in the order our run draws them (TRL's sampler is told not
 to shuffle), the reward (the task's ``score`` reward: the dataset's ``score_answer`` on the
-extracted answer), group size, completion length, temperature, learning rate (constant, Adam
-without weight decay, gradient norm clipped to 1), one PPO epoch / ``num_iterations=1``, the
-``dapo`` loss, no KL, and the number of optimizer steps. Both trained models are scored by one
+extracted answer), group size, completion length, temperature, the optimiser (AdamW), learning
+rate and its schedule (``recipe.lr_scheduler`` / ``warmup_steps`` as TRL's
+``lr_scheduler_type`` / ``warmup_steps``), weight decay, gradient-norm clip, one PPO epoch /
+``num_iterations=1``, the ``dapo`` loss, no KL, and the number of optimizer steps. Both trained models are scored by one
 evaluator (the task's ``evaluate`` over greedy completions from ``engine=hf``), so the accuracy
 figures are comparable whatever each library logs.
 """
@@ -30,6 +31,10 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = ROOT / "outputs" / "real_models" / "smollm2"
 OUT = ROOT / "benchmarks" / "out" / "real_model"
 PRESET = "grpo_real"
+# engine=vllm beside engine=hf: the first steps of seed 0's run, again with engine=vllm.
+VLLM_STEPS = 3
+# recipe.lr_scheduler -> transformers' lr_scheduler_type (ours warms up under every schedule).
+TRL_SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
 
 
 def seeds() -> list[int]:
@@ -121,6 +126,8 @@ def trl_run(model_dir: Path, seed: int, out: Path) -> dict[str, Any]:
 
     cfg = compose_cfg([f"model.pretrained_path={model_dir}", f"recipe.seed={seed}"])
     rc = cfg.recipe
+    if str(rc.optimizer) != "adamw":
+        raise ValueError("the TRL side runs AdamW: keep recipe.optimizer=adamw")
     torch.set_num_threads(int(rc.num_threads))
     task = build_task(model_dir, seed)
     order = [i for _ in range(int(rc.num_steps)) for i in task.next_rows(int(rc.prompts_per_step))]
@@ -144,8 +151,10 @@ def trl_run(model_dir: Path, seed: int, out: Path) -> dict[str, Any]:
         per_device_train_batch_size=batch, num_generations=int(rc.group_size),
         gradient_accumulation_steps=1, num_iterations=1, max_steps=int(rc.num_steps),
         max_completion_length=int(rc.max_new_tokens), temperature=float(rc.temperature),
-        learning_rate=float(rc.lr), lr_scheduler_type="constant", warmup_steps=0,
-        weight_decay=0.0, max_grad_norm=1.0, loss_type="dapo", report_to=[], logging_steps=1,
+        learning_rate=float(rc.lr), lr_scheduler_type=TRL_SCHEDULES[str(rc.lr_scheduler)],
+        warmup_steps=int(rc.warmup_steps), weight_decay=float(rc.weight_decay),
+        optim="adamw_torch", max_grad_norm=float(rc.max_grad_norm), loss_type="dapo",
+        report_to=[], logging_steps=1,
         save_strategy="no", dataloader_num_workers=0, disable_tqdm=True, shuffle_dataset=False)
     trainer = GRPOTrainer(model=model, reward_funcs=[score], args=args, train_dataset=data,
                           processing_class=tok)
@@ -207,6 +216,18 @@ def plot(runs: dict[int, dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def generation_figures(rows: list[dict[str, str]], batch: int) -> dict[str, float]:
+    """Per RL step, means over ``rows`` (metrics.csv): generation seconds, generated tokens per
+    second (``completions/mean_length`` x the step's completions / ``rollout_s``) and the
+    whole step (generation + logprob passes + training)."""
+    n = max(len(rows), 1)
+    gen = sum(float(r["rollout_s"]) for r in rows) / n
+    tokens = sum(float(r["completions/mean_length"]) * batch for r in rows) / n
+    step = sum(float(r["rollout_s"]) + float(r["prepare_s"]) + float(r["train_s"])
+               for r in rows) / n
+    return {"generation_s": gen, "tokens_per_s": tokens / gen if gen else 0.0, "step_s": step}
+
+
 def _mean_spread(xs: list[float]) -> str:
     if not xs:
         return "n/a"
@@ -222,7 +243,8 @@ def main(out: Path = OUT) -> dict[str, Any]:
     results: dict[str, Any] = {"model": str(model_dir), "preset": PRESET,
                                "recipe": {k: rc[k] for k in ("num_steps", "prompts_per_step",
                                                              "group_size", "max_new_tokens",
-                                                             "lr", "temperature", "ppo_epochs",
+                                                             "lr", "lr_scheduler", "warmup_steps",
+                                                             "temperature", "ppo_epochs",
                                                              "eval_every", "num_threads")},
                                "task": {"dataset": task_cfg.dataset,
                                         "config": dict(task_cfg.config),
@@ -256,9 +278,13 @@ def main(out: Path = OUT) -> dict[str, Any]:
         results["trl"] = {"missing": missing}
     if os.environ.get("TQ_BENCH_REAL_VLLM", "1") == "1":
         try:
-            results["vllm"] = {k: v for k, v in run_ours(
-                model_dir, first, out / f"ours_vllm_s{first}", extra=["engine=vllm"]).items()
-                if k != "rows"}
+            vllm = run_ours(model_dir, first, out / f"ours_vllm_s{first}",
+                            extra=["engine=vllm", f"recipe.num_steps={VLLM_STEPS}",
+                                   "recipe.eval_every=0"])
+            batch = int(rc.prompts_per_step) * int(rc.group_size)
+            results["vllm"] = {"steps": VLLM_STEPS, "wall_s": vllm["wall_s"],
+                               "vllm": generation_figures(vllm["rows"], batch),
+                               "hf": generation_figures(ours[first]["rows"][:VLLM_STEPS], batch)}
         except RuntimeError as exc:
             results["vllm"] = {"error": str(exc)[-500:]}
     plot(ours, out / "real_model_curve.png")
@@ -280,7 +306,8 @@ def markdown(r: dict[str, Any]) -> str:
         f"`{task['dataset']}` ({task['config']}), {task['eval_size']} held-out questions scored "
         f"greedy by the dataset's `score_answer`: {rc['num_steps']} RL steps of "
         f"{rc['prompts_per_step']} prompts x {rc['group_size']} completions of up to "
-        f"{rc['max_new_tokens']} tokens, lr {rc['lr']}, {rc['ppo_epochs']} PPO epoch, "
+        f"{rc['max_new_tokens']} tokens, lr {rc['lr']} ({rc.get('lr_scheduler', 'constant')}"
+        f" schedule), {rc['ppo_epochs']} PPO epoch, "
         f"temperature {rc['temperature']}, {rc['num_threads']} torch threads, `engine=hf`."),
         "",
         "| seed | held-out accuracy, start | end | gain | wall s |",
@@ -316,11 +343,16 @@ def markdown(r: dict[str, Any]) -> str:
             "ours includes its in-run evaluations, TRL's none).")]
     v = r.get("vllm")
     if v and "error" not in v:
-        lines += ["", (f"`engine=vllm` on the same run (seed {next(iter(ours))}): accuracy "
-                  f"{v['curve'][0][1] if v['curve'] else float('nan'):.3f} -> "
-                  f"{v['final'].get('accuracy', float('nan')):.3f}, wall {v['wall_s']:.0f} s, "
-                  f"mean rollout {v['phases']['rollout_s']:.1f} s a step against "
-                  f"{next(iter(ours.values()))['phases']['rollout_s']:.1f} s with `engine=hf`.")]
+        lines += ["", (f"`engine=vllm` beside `engine=hf`: the first {v['steps']} RL steps of "
+                  f"seed {next(iter(ours))}'s run (the same prompts and settings), means per "
+                  "step; generated tokens/s counts the step's completion tokens "
+                  "(`completions/mean_length` x completions) over its generation seconds."), "",
+                  ("| engine | generation s | generated tokens/s | step s (generation + logprob "
+                  "passes + training) |"), "|---|---|---|---|"]
+        for name in ("hf", "vllm"):
+            f = v[name]
+            lines.append(f"| {name} | {f['generation_s']:.1f} | {f['tokens_per_s']:.0f} | "
+                         f"{f['step_s']:.1f} |")
     elif v:
         lines += ["", f"`engine=vllm`: failed: {v['error']}"]
     return "\n".join(lines)
