@@ -246,7 +246,7 @@ class RLRecipe:
                                         finish=self.write_artifacts)
         callbacks = [self.callback, self.step_callback, self.sigterm, *own, EvalLog(),
                      self.continue_run,
-                     console.StepLines(self.rc.num_steps),
+                     console.StepLines(self.rc.num_steps, self.rc.log_every),
                      *self.source.callbacks(), *instantiate_callbacks(
                          self.cfg.get("callbacks"), progress_bar=bar),
                      # last: after every other callback, as the module's own hook was

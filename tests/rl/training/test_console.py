@@ -25,6 +25,26 @@ def test_the_reference_kl_is_shown_when_the_loss_has_one_and_missing_figures_are
     assert "kl 1.00e-02" in line and "loss" not in line and "tok/s" not in line
 
 
+def test_log_every_keeps_every_kth_step_the_last_and_the_evaluated(caplog):
+    from types import SimpleNamespace
+
+    from tq_plugin.lightning.module import MICROBATCH_INFO
+    from tq_plugin.rl.training.evaluation import EVAL
+    from tq_plugin.rl.training.step_record import RL_STEP
+
+    lines = StepLines(7, every=3)
+    trainer = SimpleNamespace(is_global_zero=True, callback_metrics={"rl/reward": 0.5})
+    with caplog.at_level(logging.INFO, logger=STEP_LOG.name):
+        for step in range(7):
+            extra = {MICROBATCH_INFO: {"step": step, "last_in_step": True},
+                     RL_STEP: {EVAL: {"accuracy": 0.5}} if step == 4 else {}}
+            module = SimpleNamespace(dp_meta=SimpleNamespace(extra_info=extra))
+            lines.on_train_batch_end(trainer, module, None, None, step)
+            lines.on_train_batch_start(trainer, module, None, step + 1)
+    shown = [r.getMessage().split(" | ")[0] for r in caplog.records if r.name == STEP_LOG.name]
+    assert shown == ["RL step 3/7", "RL step 5/7", "RL step 6/7", "RL step 7/7"]
+
+
 def test_the_banner_names_the_run_dir_first():
     text = banner(run_dir="/runs/x", recipe="grpo", model="tiny", engine="hf",
                   backend="LocalDataPlane", topology="colocated", steps=7)

@@ -118,10 +118,11 @@ class StepLines(Callback):
     The module logs a step's figures in its own ``on_train_batch_end``, which Lightning calls
     after every callback's: so the line of a step's last microbatch is written once they are
     there, at the next microbatch's start (or the fit's end), with the elapsed time taken at
-    the step's end."""
+    the step's end. With ``every`` (``recipe.log_every``) > 1, a line every ``every``-th step,
+    the last step's and every step that evaluated."""
 
-    def __init__(self, num_steps: int) -> None:
-        self.num_steps = num_steps
+    def __init__(self, num_steps: int, every: int = 1) -> None:
+        self.num_steps, self.every = num_steps, max(1, int(every))
         self._t0 = time.perf_counter()
         self._pending: tuple[int, float, dict[str, float]] | None = None
 
@@ -137,7 +138,10 @@ class StepLines(Callback):
         if not info.get("last_in_step") or not trainer.is_global_zero:
             return
         evaluated = meta.extra_info.get(RL_STEP, {}).get(EVAL) or {}
-        self._pending = (int(info["step"]), time.perf_counter() - self._t0, dict(evaluated))
+        step = int(info["step"])
+        if (step + 1) % self.every and step + 1 != self.num_steps and not evaluated:
+            return
+        self._pending = (step, time.perf_counter() - self._t0, dict(evaluated))
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
