@@ -14,6 +14,7 @@ _spec.loader.exec_module(soak)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # 202 s on a quiet 2-core box; eight threads on two cores under load
 def test_eight_threads_stage_finalize_and_clear_100k_calls_and_memory_returns():
     r = soak.run_soak(threads=8, calls=100_000)
     print(
