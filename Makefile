@@ -16,7 +16,7 @@ endif
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install run run-toy test test-fast bench sweep tiny-model real-model docs clean
+.PHONY: install run run-toy lint test test-fast bench sweep tiny-model real-model docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -76,7 +76,11 @@ real-model: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
-test: $(STAMP)
+# ruff over the whole tree (the dev extra installs it); `make test` runs it first, so CI does.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: $(STAMP)

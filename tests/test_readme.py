@@ -50,3 +50,11 @@ def test_make_sweep_runs_the_dedup_sweeper_the_docs_describe():
     makefile = (ROOT / "Makefile").read_text()
     sweep = makefile.split("\nsweep:", 1)[1].split("\n\n", 1)[0]
     assert "-m hydra/sweeper=tq_dedup " in sweep
+
+
+def test_make_test_runs_ruff_over_the_tree_before_the_tests():
+    makefile = (ROOT / "Makefile").read_text()
+    assert "\ntest: lint\n" in makefile
+    lint = makefile.split("\nlint:", 1)[1].split("\n\n", 1)[0]
+    assert "$(VENV)/bin/ruff check .\n" in lint + "\n"
+    assert ",dev," in makefile.split("\n$(STAMP):", 1)[1].split("\n\n", 1)[0]
