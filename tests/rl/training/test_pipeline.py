@@ -193,14 +193,15 @@ def test_run_draws_once_without_dynamic_sampling():
 
 
 # ------------------------------------------------------------------ StepTail
-@pytest.mark.parametrize(("reference", "value", "roles"), [
-    (None, None, ["policy"]),
-    (object(), None, ["policy", "reference"]),
-    (None, object(), ["policy", "value"]),
-    (object(), object(), ["policy", "reference", "value"]),
+@pytest.mark.parametrize(("uses_reference", "value", "roles"), [
+    (False, None, ["policy"]),
+    (True, None, ["policy", "reference"]),
+    (False, object(), ["policy", "value"]),
+    (True, object(), ["policy", "reference", "value"]),
 ], ids=["grpo", "grpo-beta", "ppo", "ppo-beta"])
-def test_the_no_grad_passes_are_the_models_the_module_holds(reference, value, roles):
-    module = SimpleNamespace(reference=reference, value=value)
+def test_the_no_grad_passes_are_the_models_the_module_holds(uses_reference, value, roles):
+    # recipe.beta > 0: a reference pass, by a copy of the policy or (LoRA) the adapter disabled
+    module = SimpleNamespace(uses_reference=uses_reference, value=value)
     assert StepTail(module, rc=RecipeConfig(), turns=1).roles() == roles
 
 

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from tq_plugin.config.schema import ConfigError, check_pretrained_path
+from tq_plugin.rl.models.lora import attach_lora, lora_options
 from tq_plugin.rl.models.protocol import TokenScoring, output_bias, scatter_patches, weight_dtype
 
 try:
@@ -182,6 +183,7 @@ class HFCausalLM(nn.Module):
         output_token_ids: list[int] | None = None,
         gradient_checkpointing: bool = False,
         dtype: str = "float32",
+        lora: Any = None,
         name: str | None = None,
     ) -> None:
         super().__init__()
@@ -207,6 +209,11 @@ class HFCausalLM(nn.Module):
                 k: sizes[k] for k in ("d_model", "n_layers", "n_heads", "max_seq_len", "head_dim")})
             cfg._attn_implementation = attn_implementation
             self.backbone = auto.from_config(cfg, dtype=torch_dtype)
+        # model.lora: adapters injected into the backbone in place, the base frozen; the
+        # PeftModel kept beside it, not as a submodule (lora.py says why).
+        options = lora_options(lora)
+        self.__dict__["peft_model"] = (None if options is None else
+                                       attach_lora(self.backbone, options, causal_lm=not value_head))
         if gradient_checkpointing:
             self.backbone.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})

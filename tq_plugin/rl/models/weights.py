@@ -28,8 +28,9 @@ from safetensors.torch import load_model, save_file, save_model
 from torch import nn
 
 from tq_plugin.rl.models import fsdp as sharding
+from tq_plugin.rl.models.lora import base_state_dict, peft_model_of, save_adapter
 from tq_plugin.rollout import NamedWeights
-from tq_plugin.rollout.engine import StreamedWeights
+from tq_plugin.rollout.engine import ADAPTER_DIR, StreamedWeights, synced_parameters
 
 POLICY_WEIGHTS = "policy.safetensors"
 VALUE_WEIGHTS = "value.safetensors"
@@ -125,7 +126,8 @@ def _generation_ids(directory: Path, tokenizer) -> None:
 
 
 def write_hf_checkpoint(policy: nn.Module, directory: str | Path, *, rank: int = 0,
-                        barrier: Callable[[], None] | None = None, tokenizer=None) -> Path:
+                        barrier: Callable[[], None] | None = None, tokenizer=None,
+                        merged: bool = True) -> Path:
     """Save the policy's transformers model as a ``save_pretrained`` directory (config,
     safetensors, generation config; with ``tokenizer``, its files and its EOS / pad ids in the
     generation config where the model's name none). The policy's output restriction
@@ -136,16 +138,27 @@ def write_hf_checkpoint(policy: nn.Module, directory: str | Path, *, rank: int =
     ``directory`` afterwards): rank 0 writes (as transformers' ``save_pretrained`` does under
     ``torch.distributed``), the others wait at ``barrier``. A sharded (FSDP2) policy's full
     tensors are gathered first, a bounded bucket at a time, every rank joining each gather
-    (``sharding.full_state_dict``: rank 0 keeps them)."""
+    (``sharding.full_state_dict``: rank 0 keeps them).
+
+    A policy with LoRA adapters (``model.lora``) is written under the checkpoint's own names:
+    ``merged``, each adapter's update added to its base weight (in float32); else the frozen base
+    alone, with the adapter beside it as a PEFT directory (``ADAPTER_DIR``), what the engines
+    start from."""
     backbone = hf_backbone(policy)
     if backbone is None:
         raise ValueError(f"{type(policy).__qualname__} is not an HF-format policy")
     directory = Path(directory)
-    state = sharding.full_state_dict(backbone, rank=rank) if sharding.is_sharded(backbone) else None
+    adapter = peft_model_of(policy)
+    if sharding.is_sharded(backbone):
+        state = sharding.full_state_dict(backbone, rank=rank)
+    else:
+        state = None if adapter is None else base_state_dict(backbone, merged=merged)
     if rank == 0:
         tmp = directory.with_name(f".{directory.name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         backbone.save_pretrained(str(tmp), state_dict=state)
+        if adapter is not None and not merged:
+            save_adapter(policy, tmp / ADAPTER_DIR)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
             _generation_ids(tmp, tokenizer)
@@ -160,20 +173,22 @@ def write_hf_checkpoint(policy: nn.Module, directory: str | Path, *, rank: int =
 
 def write_engine_checkpoint(policy: nn.Module, directory: str | Path, *, rank: int = 0,
                             barrier: Callable[[], None] | None = None) -> Path:
-    """The HF checkpoint the ``hf`` and ``vllm`` engines start from (:func:`write_hf_checkpoint`)."""
-    return write_hf_checkpoint(policy, directory, rank=rank, barrier=barrier)
+    """The HF checkpoint the ``hf`` and ``vllm`` engines start from (:func:`write_hf_checkpoint`;
+    a LoRA policy's: the frozen base and its adapter beside it)."""
+    return write_hf_checkpoint(policy, directory, rank=rank, barrier=barrier, merged=False)
 
 
 def engine_weights(policy: nn.Module, engine: str) -> NamedWeights:
     """The policy's weights named as ``engine``'s model names them: the module's own parameters
-    for ``native``, the transformers model's (the checkpoint's names) for ``hf`` and ``vllm``.
+    for ``native``, the transformers model's (the checkpoint's names) for ``hf`` and ``vllm``;
+    of a LoRA policy only the adapters' (``synced_parameters``: the engine holds the base).
 
     A sharded (FSDP2) policy's go to ``hf`` and ``vllm`` as ``StreamedWeights``: full tensors
     gathered a bounded bucket at a time while the engine copies them in (a collective: every
     rank syncs its engine in step). ``native`` serves the policy itself: nothing to copy."""
     if engine == "native":
-        return policy.named_parameters()
-    named = list(hf_backbone(policy).named_parameters())
+        return synced_parameters(policy)
+    named = synced_parameters(hf_backbone(policy))
     if not sharding.is_sharded(policy):
         return named
     return StreamedWeights({n: tuple(p.shape) for n, p in named},

@@ -65,6 +65,7 @@ from tq_plugin.rl.algorithms.losses import (
 )
 from tq_plugin.rl.algorithms.registry import advantage_estimator_name
 from tq_plugin.rl.models.fsdp import shard_model
+from tq_plugin.rl.models.lora import adapter_disabled, peft_model_of
 from tq_plugin.rl.models.protocol import TokenScoring, score_tokens
 from tq_plugin.rl.models.tiny import TinyTransformer, shift_values
 from tq_plugin.rl.models.weights import hf_backbone, load_weights
@@ -94,12 +95,20 @@ POLICY_TRAIN_FIELDS = [INPUT_IDS, INPUT_LENGTHS, TOKEN_MASK, SAMPLE_MASK, PREV_L
 VALUE_TRAIN_FIELDS = [VALUES, RETURNS]
 
 
-def build_reference(policy: torch.nn.Module, recipe: RecipeConfig) -> torch.nn.Module:
+def build_reference(policy: torch.nn.Module, recipe: RecipeConfig) -> torch.nn.Module | None:
     """The frozen reference policy of ``recipe.beta > 0``: a copy of the initial ``policy``, or
     with ``recipe.reference_path`` that copy loaded with its weights (a ``policy.safetensors``
-    an earlier run wrote, or an HF checkpoint directory for ``model=hf_causal_lm``)."""
-    reference = copy.deepcopy(policy)
+    an earlier run wrote, or an HF checkpoint directory for ``model=hf_causal_lm``). A policy
+    with LoRA adapters has none: its reference is its own base, the adapters switched off for
+    the reference's pass (no second copy of the weights)."""
     path = recipe.reference_path
+    if peft_model_of(policy) is not None:
+        if path is not None:
+            raise ConfigError(f"recipe.reference_path: {path} cannot be the reference of a LoRA "
+                              f"policy (model.lora.r is set), whose reference is its base model "
+                              f"with the adapter disabled; drop one of them")
+        return None
+    reference = copy.deepcopy(policy)
     if path is not None:
         p = Path(path)
         if p.is_file():
@@ -150,8 +159,10 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         # recipe.beta > 0: a frozen copy of the initial policy (or recipe.reference_path's
         # weights), whose logprobs the step's no-grad pass writes as reference_policy_logprobs. A submodule,
         # so a resumed run's checkpoint brings it back; never trained, never sharded.
+        # A LoRA policy's reference is the policy itself with its adapters disabled.
         self.reference = build_reference(policy, recipe) if recipe.beta > 0 else None
-        if self.reference is not None:
+        self.uses_reference = recipe.beta > 0
+        if self.uses_reference:
             self.train_fields = [*self.train_fields, REFERENCE_POLICY_LOGPROBS]
         self._mb_booked: dict[str, float] | None = None  # microbatch_stats, once a microbatch
         self._mb_lr = float(recipe.lr)  # the policy's lr as the microbatch started
@@ -197,9 +208,16 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         forwards (each one a collective) pair up.
         """
         model, field, task = {"policy": (self.policy, PREV_LOGPROBS, "prev_lp"),
-                              "reference": (self.reference, REFERENCE_POLICY_LOGPROBS, "ref_lp"),
+                              "reference": (self.policy if self.reference is None
+                                            else self.reference, REFERENCE_POLICY_LOGPROBS,
+                                            "ref_lp"),
                               "value": (self.value, VALUES, "value_fwd")}[role]
-        scores = role != "value"  # the policy and the reference score tokens
+        with (adapter_disabled(model) if role == "reference" else contextlib.nullcontext()):
+            self._forward_pass(model, meta, field=field, task=task, scores=role != "value",
+                               step=step, pair_with=pair_with)
+
+    def _forward_pass(self, model: torch.nn.Module, meta: KVBatchMeta, *, field: str, task: str,
+                      scores: bool, step: int, pair_with: Callable[[int], int] | None) -> None:
         was_training = model.training
         model.eval()
         device = device_of(model)
@@ -325,7 +343,7 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
         lp, ent = score_tokens(self.policy, ids, self._scoring(
             mask, with_entropy=True, positions=inputs.get("position_ids")), **inputs)
         old, gen = td[PREV_LOGPROBS], td[GENERATION_LOGPROBS]
-        ref = td[REFERENCE_POLICY_LOGPROBS] if self.reference is not None else None
+        ref = td[REFERENCE_POLICY_LOGPROBS] if self.uses_reference else None
         outside = None
         if SamplingControls.of(self.rc).active:
             lp, old, ref, mask, outside = drop_outside_kept(lp, old, ref, mask)
@@ -423,7 +441,7 @@ class RLModule(MetaBatchMixin, TQDriverMixin, pl.LightningModule):
             self._off_band_steps = warn_if_unsynced(figures, self._off_band_steps)
         if self.value is None:
             figures.pop("value_loss")
-        if self.reference is None:
+        if not self.uses_reference:
             figures.pop("kl_ref")
         step = int(info["step"])
         logged = {f"rl/{k}": v for k, v in figures.items()}

@@ -205,7 +205,7 @@ class StepTail:
         """The no-grad passes of a step: the policy's, the reference's (``recipe.beta > 0``) and
         the value model's (PPO)."""
         m = self.module
-        return ["policy", *(["reference"] if m.reference is not None else []),
+        return ["policy", *(["reference"] if m.uses_reference else []),
                 *(["value"] if m.value is not None else [])]
 
     def passes(self, meta: KVBatchMeta | None, *, step: int, sharded: bool = False) -> None:

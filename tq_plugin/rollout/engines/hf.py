@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from tq_plugin.rollout.engine import (
+    ADAPTER_DIR,
     CachedStep,
     Completion,
     EngineError,
@@ -46,7 +47,21 @@ def load_checkpoint_model(path: str | Path, dtype: str) -> torch.nn.Module:
                           f"written by save_pretrained is needed)")
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(path), local_files_only=True, use_safetensors=True, dtype=DTYPES[dtype])
+    if (path / ADAPTER_DIR / "adapter_config.json").is_file():
+        model = with_adapter(model, path / ADAPTER_DIR)
     return model.eval()
+
+
+def with_adapter(model: torch.nn.Module, adapter: Path) -> torch.nn.Module:
+    """``model`` (the frozen base) with the PEFT adapter in ``adapter`` injected in place; the
+    adapter's tensors require gradients and the base's do not, so a sync names the adapter's
+    only (:func:`~tq_plugin.rollout.engine.synced_parameters`)."""
+    try:
+        import peft
+    except ImportError as exc:
+        raise EngineError("engine=hf: a LoRA policy's adapter needs peft: pip install "
+                          "'tq_plugin[lora]'") from exc
+    return peft.PeftModel.from_pretrained(model, str(adapter), is_trainable=True).get_base_model()
 
 
 def transformers_step(model: torch.nn.Module, bias: torch.Tensor | None = None) -> CachedStep:
@@ -84,7 +99,8 @@ class HFEngine:
                              device=next(self.model.parameters()).device)
 
     def update_weights(self, weights: NamedWeights, *, version: int) -> None:
-        """Copy ``weights`` (the checkpoint's parameter names) in place."""
+        """Copy ``weights`` (the checkpoint's parameter names; a LoRA policy's: its adapter's
+        only, onto the frozen base loaded at the start) in place."""
         copy_named(self.model, weights, engine=self.name)
         self.weight_version = version
 
@@ -92,4 +108,4 @@ class HFEngine:
         self.model = None
 
 
-__all__ = ["DTYPES", "HFEngine", "load_checkpoint_model", "transformers_step"]
+__all__ = ["DTYPES", "HFEngine", "load_checkpoint_model", "transformers_step", "with_adapter"]
