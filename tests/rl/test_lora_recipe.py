@@ -1,0 +1,114 @@
+"""``model.lora`` through the recipe (issue 35's done-when): ``tq-train ... model.lora.r=8
+engine=hf`` trains the adapter alone, the run dir's ``adapter/`` loads with
+``PeftModel.from_pretrained`` onto the untouched base, the engine's logprobs stay the trainer's
+after every adapter-only sync, and a run continued from its checkpoint gets back the adapter
+and its optimizer state (the continued steps are those of one straight run)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+
+import pytest
+import torch
+from hydra.core.global_hydra import GlobalHydra
+
+pytest.importorskip("datasets")
+pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+import transformers
+from safetensors.torch import load_file
+
+from tq_plugin import cli
+from tq_plugin.rl.tasks.tiny_text import make_tiny_model
+
+FAST = ["recipe.ppo_epochs=1", "recipe.prompts_per_step=4", "trainer.enable_progress_bar=false"]
+pytestmark = pytest.mark.usefixtures("fresh_hydra")  # tests/rl/conftest.py
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny_text")
+    model = make_tiny_model(out, train_rows=64, eval_rows=8)
+    return model, [f"task.path={out / 'train.jsonl'}",
+                   "task.reward._target_=tq_plugin.rl.tasks.rewards.token_match"]
+
+
+def entry(monkeypatch, out, *overrides) -> dict:
+    monkeypatch.setattr(sys, "argv", ["grpo", f"hydra.run.dir={out}", *FAST, *overrides])
+    GlobalHydra.instance().clear()
+    cli.main(config_name="grpo")
+    return json.loads((out / "result.json").read_text())
+
+
+def rows(run_dir):
+    with open(run_dir / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.timeout(240)
+def test_tq_train_with_lora_r_8_leaves_a_peft_adapter_that_loads_onto_the_untouched_base(
+        monkeypatch, tmp_path, tiny):
+    model_dir, task = tiny
+    before = load_file(str(model_dir / "model.safetensors"))
+    summary = entry(monkeypatch, tmp_path, "task=prompts", *task, "model=hf_causal_lm",
+                    f"model.pretrained_path={model_dir}", "model.lora.r=8", "engine=hf",
+                    "recipe.num_steps=3", "recipe.beta=0.04")
+    assert summary["status"] == "ok" and summary["engine"] == "hf"
+    assert summary["weight_syncs"] == 2
+    # Every sync moved the adapter alone, and the engine then scored as the trainer does.
+    gaps = [float(r["gen_logprob_abs_diff"]) for r in rows(tmp_path)]
+    assert len(gaps) == 3 and max(gaps) < 1e-4 and summary["max_logprob_gap"] < 1e-4
+    assert [float(r["kl_ref"]) for r in rows(tmp_path)][-1] > 0  # the base, adapter disabled
+
+    adapter = tmp_path / "adapter"
+    assert (adapter / "adapter_config.json").is_file()
+    assert (adapter / "adapter_model.safetensors").is_file()
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True)
+    loaded = peft.PeftModel.from_pretrained(base, str(adapter))
+    lora = {n: p for n, p in loaded.named_parameters() if ".lora_" in n}
+    assert summary["trainable_parameters"] == sum(p.numel() for p in lora.values())
+    # LoRA's B starts at zero: trained, it is not.
+    assert any(p.abs().sum() > 0 for n, p in lora.items() if ".lora_B." in n)
+    # The base is untouched: the checkpoint on disk, and the run's frozen base weights.
+    assert all(torch.equal(v, load_file(str(model_dir / "model.safetensors"))[k])
+               for k, v in before.items())
+    trained = load_file(str(tmp_path / "policy.safetensors"))
+    frozen = {k[len("backbone."):].replace(".base_layer.", "."): v for k, v in trained.items()
+              if k.startswith("backbone.") and ".lora_" not in k}
+    assert all(torch.equal(frozen[k], v) for k, v in before.items() if k in frozen)
+    assert sum(k in frozen for k in before) >= len(before) - 1  # a tied head is stored once
+    # The merged hf_policy/ is the base with the adapter folded in (float32).
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf_policy"),
+                                                               local_files_only=True)
+    ids = torch.tensor([[1, 5, 9, 13, 17]])
+    assert torch.allclose(merged(input_ids=ids).logits, loaded(input_ids=ids).logits, atol=1e-5)
+
+
+def _policy(run_dir):
+    return load_file(str(run_dir / "policy.safetensors"))
+
+
+@pytest.mark.timeout(240)
+def test_a_lora_run_continued_from_its_checkpoint_restores_the_adapter_and_its_optimizer(
+        monkeypatch, tmp_path):
+    lora = ["model=hf_causal_lm", "model.lora.r=4", "engine=hf"]
+    entry(monkeypatch, tmp_path / "first", *lora, "recipe.num_steps=2",
+          "recipe.checkpoint_every=2")
+    ckpt = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    adapters = [k for k in state["state_dict"] if ".lora_" in k]
+    assert adapters
+    # Adam's state for the adapter tensors alone: the frozen base has none.
+    assert len(state["optimizer_states"][0]["state"]) == len(adapters)
+
+    more = entry(monkeypatch, tmp_path / "more", *lora, "recipe.num_steps=4", f"ckpt_path={ckpt}")
+    straight = entry(monkeypatch, tmp_path / "straight", *lora, "recipe.num_steps=4")
+    assert more["steps"] == 4
+    assert [r["reward"] for r in rows(tmp_path / "more")] == \
+        [r["reward"] for r in rows(tmp_path / "straight")]
+    a, b = _policy(tmp_path / "more"), _policy(tmp_path / "straight")
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a if ".lora_" in k)
+    assert more["trainable_parameters"] == straight["trainable_parameters"]
