@@ -131,9 +131,48 @@ def test_write_back_refuses_to_truncate_and_to_misalign(step):
         )
 
 
-def test_write_columns_with_nothing_is_a_no_op(step):
-    client, _, meta = step
-    write_columns(client, meta, {})
+class _CallLog:
+    """A client that passes every method call on to ``client`` and logs the method's name."""
+
+    def __init__(self, client) -> None:
+        self.client, self.calls = client, []
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.client, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            self.calls.append(name)
+            return attr(*args, **kwargs)
+
+        return call
+
+
+def _stored(client, names: list[str]) -> tuple[list[str], list[dict], dict]:
+    """The partition's ids, tags and the bytes of ``names`` (a jagged column's values and
+    offsets)."""
+    ids = client.list_sample_ids("train")
+    td = client.get_samples(partition_id="train", sample_ids=ids, select_fields=names)
+    parts = {n: (td[n].values(), td[n].offsets()) if td[n].is_nested else (td[n],) for n in names}
+    return ids, client.get_tags(partition_id="train", sample_ids=ids), parts
+
+
+def test_write_columns_with_nothing_writes_nothing(step):
+    from tensordict import TensorDict
+
+    client, batch, meta = step
+    ids, tags, columns = _stored(client, sorted(batch))
+    logged = _CallLog(client)
+    write_columns(logged, meta, {})
+    write_columns(logged, meta, TensorDict({}, batch_size=[meta.size]))
+    assert logged.calls == []  # not even a put of no fields
+    after_ids, after_tags, after = _stored(client, sorted(batch))
+    assert (after_ids, after_tags) == (ids, tags)
+    for name, parts in columns.items():
+        assert all(torch.equal(a, b) for a, b in zip(after[name], parts, strict=True)), name
+    with pytest.raises(KeyError):
+        client.get_samples(partition_id="train", sample_ids=ids, select_fields=["advantages"])
 
 
 def test_read_never_mints_and_stamp_is_a_ratchet():

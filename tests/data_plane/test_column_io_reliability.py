@@ -1,7 +1,8 @@
 """Column I/O under bad input (issue #8 items 1, 2, 9; issue #12 §6).
 
 Every rejected call raises one documented exception type naming the offending field, and leaves
-the store exactly as it was (ids, every column's bytes, tags). The regression tests pin the
+the whole store exactly as it was (every partition's schema, ids, tags and claims, every field's
+kind, dtype, shape and bytes). The regression tests pin the
 cases reported in the issues; the Hypothesis tests fuzz first_write / write_columns /
 read_columns and keep each failure they found as an ``@example``.
 """
@@ -23,40 +24,32 @@ from tq_plugin.data_plane import (
     stamp_global_forward_pad_seqlen,
     write_columns,
 )
+from tq_plugin.data_plane.checkpoint import PartitionSnapshot
 
 from .conftest import ragged
 
-FIELDS = ("input_ids", "input_lengths", "sample_mask", "advantages", "generation_logprobs", "score")
 DOCUMENTED = (TypeError, ValueError, KeyError)
 
 
-def snapshot(client, partition: str = "train") -> dict:
-    """Everything a caller could observe of ``partition``: ids, each field's bytes, tags."""
-    ids = client.list_sample_ids(partition)
-    out: dict = {"ids": ids, "tags": client.get_tags(
-        partition_id=partition, sample_ids=ids
-    ) if ids else []}
-    for name in FIELDS:
-        try:
-            value = client.get_samples(
-                partition_id=partition, sample_ids=ids, select_fields=[name]
-            )[name] if ids else None
-        except KeyError:
-            continue
-        if value is not None and value.is_nested:
-            value = (value.values().clone(), value.offsets().clone())
-        out[name] = value
-    return out
+def snapshot(client: LocalDataPlane) -> list:
+    """The whole store, as its checkpoint copies it: every partition's schema, live ids in
+    first-put order, tags and claims, and every field's kind, dtype, shape and bytes."""
+    return [PartitionSnapshot(p.entry, {k: t.clone() for k, t in p.tensors.items()})
+            for p in client.snapshot_partitions()]
 
 
-def assert_same(before: dict, after: dict) -> None:
-    assert before.keys() == after.keys()
-    assert before["ids"] == after["ids"] and before["tags"] == after["tags"]
-    for name in before.keys() - {"ids", "tags"}:
-        a, b = before[name], after[name]
-        pairs = zip(a, b) if isinstance(a, tuple) else [(a, b)]
-        for x, y in pairs:
-            torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_same(before: list, after: list) -> None:
+    assert [p.entry for p in after] == [p.entry for p in before]
+    for b, a in zip(before, after, strict=True):
+        assert a.tensors.keys() == b.tensors.keys(), b.entry["partition_id"]
+        for key, x in b.tensors.items():
+            y = a.tensors[key]
+            assert (y.dtype, y.shape) == (x.dtype, x.shape), (b.entry["partition_id"], key)
+            assert torch.equal(_bytes(y), _bytes(x)), (b.entry["partition_id"], key)
 
 
 def rollout(lens: list[int], **extra) -> dict:
@@ -70,12 +63,14 @@ def rollout(lens: list[int], **extra) -> dict:
 
 @pytest.fixture
 def store():
+    """``train`` (rows a, b, c) beside ``eval`` (the same ids), which no call here names."""
     client = LocalDataPlane()
-    client.register_partition("train", [])
-    meta = first_write(
-        rollout([5, 9, 3]), sample_ids=["a", "b", "c"], client=client, partition_id="train"
-    )
-    yield client, meta
+    for partition in ("eval", "train"):
+        client.register_partition(partition, [])
+        meta = first_write(
+            rollout([5, 9, 3]), sample_ids=["a", "b", "c"], client=client, partition_id=partition
+        )
+    yield client, meta  # train's
     client.close()
 
 

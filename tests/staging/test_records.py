@@ -81,16 +81,14 @@ def test_admission_rules(fields: dict, match: str) -> None:
 
 
 def test_admission_with_a_staging_chain_skips_the_inline_length_check() -> None:
-    CaptureAdmission(
-        rollout_id="r",
-        model_call_id="c",
-        parent_call_id="p",
-        prev_len=2,
-        mode="token_in",
-        staging_chain=["r/p"],
-        required_prefix_token_ids=[1],
-        parent_chain_hash=PARENT_HASH,
-    )
+    fields = {"rollout_id": "r", "model_call_id": "c", "parent_call_id": "p", "prev_len": 2,
+              "mode": "token_in", "required_prefix_token_ids": [1],
+              "parent_chain_hash": PARENT_HASH}
+    with pytest.raises(ValidationError, match="length must equal prev_len"):
+        CaptureAdmission(**fields)
+    admission = CaptureAdmission(**fields, staging_chain=["r/p"])
+    assert admission.staging_chain == ["r/p"]
+    assert (admission.prev_len, admission.required_prefix_token_ids) == (2, [1])
 
 
 def test_staged_record_and_snapshot_round_trip(chain) -> None:
