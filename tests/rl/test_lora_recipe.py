@@ -112,3 +112,16 @@ def test_a_lora_run_continued_from_its_checkpoint_restores_the_adapter_and_its_o
     a, b = _policy(tmp_path / "more"), _policy(tmp_path / "straight")
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a if ".lora_" in k)
     assert more["trainable_parameters"] == straight["trainable_parameters"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_engine_vllm_serves_the_lora_policy_through_its_lora_support(monkeypatch, tmp_path):
+    pytest.importorskip("vllm")
+    summary = entry(monkeypatch, tmp_path, "model=hf_causal_lm", "model.lora.r=8", "engine=vllm",
+                    "recipe.num_steps=3", "recipe.beta=0.04")
+    assert summary["engine"] == "vllm" and summary["weight_syncs"] == 2
+    gaps = [float(r["gen_logprob_abs_diff"]) for r in rows(tmp_path)]
+    assert len(gaps) == 3 and max(gaps) < 1e-4
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    assert (tmp_path / "engine_init" / "adapter" / "adapter_config.json").is_file()

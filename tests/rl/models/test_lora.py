@@ -177,3 +177,42 @@ def test_the_composed_group_takes_model_lora_r_on_the_command_line():
     GlobalHydra.instance().clear()
     assert validate_config(cfg)["model"].lora == LoraConfig(r=8, target_modules=["q_proj", "k_proj"])
     assert validate_config(off)["model"].lora == LoraConfig()
+
+
+def _scored(model: torch.nn.Module, prompt: list[int], completion) -> torch.Tensor:
+    """The trainer's logprobs of an engine's sampled tokens (temperature 1, no restriction)."""
+    x = torch.tensor([prompt + completion.token_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(x).float(), -1)[0, len(prompt) - 1:-1]
+    return logp.gather(-1, torch.tensor(completion.token_ids)[:, None]).squeeze(-1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_vllm_serves_each_synced_adapter_as_a_new_lora_version(tmp_path):
+    pytest.importorskip("vllm")
+    from tq_plugin.rollout.engine import SamplingParams
+    from tq_plugin.rollout.engines.vllm import VLLMEngine
+
+    model = policy(LORA).eval()
+    engine = VLLMEngine(write_engine_checkpoint(model, tmp_path / "engine_init"),
+                        max_model_len=32, kv_cache_memory_bytes=64 << 20, max_loras=2)
+    try:
+        prompt, params = [1, 5, 9, 13], SamplingParams(max_new_tokens=6)
+        seen = []
+        for version in range(4):
+            if version:
+                nudge(model, seed=version)
+                engine.update_weights(engine_weights(model, "vllm"), version=version)
+            (done,) = engine.generate([prompt], params, seeds=[7])
+            gap = (torch.tensor(done.logprobs) - _scored(model, prompt, done)).abs().max()
+            assert gap < 1e-4, (version, float(gap))
+            seen.append(engine.lora_request.lora_int_id)
+        with adapter_disabled(model):  # the adapters moved the logprobs: the sync is seen
+            assert (torch.tensor(done.logprobs) - _scored(model, prompt, done)).abs().max() > 1e-3
+        assert len(set(seen)) == 4  # a new adapter id per weight version
+        assert len(engine.adapters.dirs) == 2  # max_loras versions kept on disk
+        with pytest.raises(ValueError, match="must name every adapter tensor"):
+            engine.update_weights(list(engine_weights(model, "vllm"))[1:], version=9)
+    finally:
+        engine.close()

@@ -66,7 +66,9 @@ def start_engine(cfg: DictConfig, policy: nn.Module, workdir: str | Path, *, wei
     context = model_len if task is None else task.engine_context(rc.max_new_tokens, model_len)
     return build_engine(options, model=policy, checkpoint=checkpoint, max_model_len=context,
                         max_num_seqs=int(rc.prompts_per_step) * int(rc.group_size),
-                        weight_version=weight_version)
+                        weight_version=weight_version,
+                        # a LoRA policy on vllm: every version a rollout in flight may use
+                        max_loras=int(rc.get("max_staleness", 0)) + 1)
 
 
 @dataclass

@@ -19,12 +19,14 @@ from tq_plugin.rollout.sampling import SamplingControls
 
 def build_engine(options: Any, *, model: nn.Module | None = None,
                  checkpoint: str | Path | None = None, max_model_len: int = 0,
-                 max_num_seqs: int = 0, weight_version: int = 0) -> RolloutEngine:
+                 max_num_seqs: int = 0, weight_version: int = 0,
+                 max_loras: int = 1) -> RolloutEngine:
     """The engine ``options.name`` names (an ``EngineConfig``), serving ``model`` (``native``)
     or the HF checkpoint directory ``checkpoint`` (``hf``, ``vllm``), holding
     ``weight_version``. ``vllm`` sizes its context and KV cache from ``max_model_len`` (the
     run's longest sequence; 0: the checkpoint's) and ``max_num_seqs`` (a step's sequences)
-    unless ``options.kv_cache_memory_bytes`` is set (``engines.vllm.engine_sizes``). Raises
+    unless ``options.kv_cache_memory_bytes`` is set (``engines.vllm.engine_sizes``), and keeps
+    ``max_loras`` adapter versions loaded for a LoRA policy. Raises
     :class:`EngineError` naming ``engine`` when it cannot be built."""
     name = options.name
     if name not in ENGINES:
@@ -46,7 +48,8 @@ def build_engine(options: Any, *, model: nn.Module | None = None,
                       dtype=options.dtype,
                       kv_cache_memory_bytes=getattr(options, "kv_cache_memory_bytes", None),
                       enforce_eager=options.enforce_eager, logprobs_mode=options.logprobs_mode,
-                      threads=options.threads, weight_version=weight_version)
+                      threads=options.threads, weight_version=weight_version,
+                      max_loras=max_loras)
 
 
 def check_sampling(options: Any, controls: SamplingControls) -> None:

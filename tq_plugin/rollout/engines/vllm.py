@@ -18,6 +18,15 @@ it half way. A failed reload leaves vLLM's model unusable, so the names are chec
 checkpoint with tied input and output embeddings has no ``lm_head.weight``: the reload loads the
 embedding and leaves the head's old tensor, so the tie is restored after it (``retie_parameters``).
 
+A LoRA policy (``model.lora``; its checkpoint has the PEFT adapter in ``adapter/`` beside the
+frozen base) is served through vLLM's LoRA support, which the CPU build has (``PunicaWrapperCPU``):
+vLLM starts with ``enable_lora``, ``max_lora_rank`` the adapter's rank rounded up to one vLLM
+accepts, and ``max_loras`` (``recipe.max_staleness + 1``: the versions a rollout in flight may
+still be generating with stay loaded). Each sync writes the adapter's tensors as a PEFT directory
+of its own and serves it as a new ``LoRARequest`` (a new id per weight version: vLLM caches
+adapters by id, so a reused id would serve the old tensors); the base is never reloaded. The
+directories of versions beyond ``max_loras`` are removed.
+
 The engine's context and KV cache follow what the run needs (:func:`engine_sizes`): the context
 (``max_model_len``) is the run's longest episode (the longest prompt plus ``max_new_tokens``), not
 the checkpoint's ``max_position_embeddings`` (8,192 for SmolLM2), and, unless
@@ -38,6 +47,9 @@ import gc
 import json
 import os
 import random
+import re
+import shutil
+import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -46,6 +58,7 @@ import numpy as np
 import torch
 
 from tq_plugin.rollout.engine import (
+    ADAPTER_DIR,
     Completion,
     EngineError,
     NamedWeights,
@@ -158,6 +171,69 @@ def engine_sizes(config: dict[str, Any], *, max_model_len: int = 0, max_num_seqs
     return length, max(KV_CACHE_FLOOR_BYTES, one, min(wanted, ceiling))
 
 
+# vLLM's accepted max_lora_rank values (vllm.config.lora.MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+PEFT_PREFIX = "base_model.model."  # a PEFT file's names: the wrapped model's, this in front
+
+
+def peft_file_name(name: str) -> str:
+    """A LoRA tensor's name in a PEFT ``adapter_model.safetensors`` from its name in the model
+    (``...q_proj.lora_A.default.weight`` -> ``base_model.model....q_proj.lora_A.weight``)."""
+    return PEFT_PREFIX + re.sub(r"\.(lora_[A-Za-z_]+)\.[^.]+\.weight$", r".\1.weight", name)
+
+
+class AdapterVersions:
+    """The PEFT directories a LoRA policy's engine serves, one per weight version, under a
+    temporary directory; the newest ``keep`` are kept (module docstring)."""
+
+    def __init__(self, initial: Path, keep: int) -> None:
+        from safetensors import safe_open
+
+        self.config = json.loads((initial / "adapter_config.json").read_text())
+        with safe_open(str(initial / "adapter_model.safetensors"), framework="pt") as f:
+            self.names = set(f.keys())
+        self.keep = max(1, keep)
+        self.root = Path(tempfile.mkdtemp(prefix="tq_lora_"))
+        self.dirs: list[Path] = []
+        self.next_id = 1
+        self.request = self._request(initial, "initial")
+
+    @property
+    def rank(self) -> int:
+        """``max_lora_rank`` for vLLM: the adapter's rank rounded up to an accepted one."""
+        r = int(self.config["r"])
+        return next((k for k in VLLM_LORA_RANKS if k >= r), r)
+
+    def _request(self, path: Path, label: str) -> Any:
+        from vllm.lora.request import LoRARequest
+
+        request = LoRARequest(f"tq_{label}_{self.next_id}", self.next_id, str(path))
+        self.next_id += 1
+        return request
+
+    def write(self, weights: Iterator[tuple[str, torch.Tensor]], version: int) -> None:
+        """Write ``weights`` (the model's names: the adapter's tensors, all of them, checked
+        before anything is written) as the PEFT directory of ``version`` and serve it next."""
+        from safetensors.torch import save_file
+
+        tensors = {peft_file_name(n): t.detach().contiguous().cpu() for n, t in weights}
+        if set(tensors) != self.names:
+            raise ValueError(f"engine=vllm: update_weights of a LoRA policy must name every "
+                             f"adapter tensor (missing {sorted(self.names - set(tensors))[:3]}, "
+                             f"unknown {sorted(set(tensors) - self.names)[:3]})")
+        directory = self.root / f"v{version}_{self.next_id}"
+        directory.mkdir()
+        save_file(tensors, str(directory / "adapter_model.safetensors"))
+        (directory / "adapter_config.json").write_text(json.dumps(self.config))
+        self.request = self._request(directory, f"v{version}")
+        self.dirs.append(directory)
+        while len(self.dirs) > self.keep:
+            shutil.rmtree(self.dirs.pop(0), ignore_errors=True)
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
 def checkpoint_names(path: Path) -> set[str]:
     """Tensor names of the safetensors files in an HF checkpoint directory."""
     from safetensors import safe_open
@@ -177,8 +253,14 @@ class VLLMEngine:
     def __init__(self, checkpoint: str | Path, *, max_model_len: int = 0, max_num_seqs: int = 0,
                  dtype: str = "float32", kv_cache_memory_bytes: int | None = None,
                  enforce_eager: bool = True, logprobs_mode: str = "processed_logprobs",
-                 threads: int = 1, weight_version: int = 0) -> None:
+                 threads: int = 1, weight_version: int = 0, max_loras: int = 1) -> None:
         path = Path(checkpoint)
+        self.adapters: AdapterVersions | None = None
+        if (path / ADAPTER_DIR / "adapter_config.json").is_file():
+            self.adapters = AdapterVersions(path / ADAPTER_DIR, keep=max_loras)
+        lora = {} if self.adapters is None else {
+            "enable_lora": True, "max_loras": self.adapters.keep,
+            "max_lora_rank": self.adapters.rank}
         if not (path / "config.json").is_file():
             raise EngineError(f"engine=vllm: {path} holds no config.json (an HF checkpoint "
                               f"directory written by save_pretrained is needed)")
@@ -199,7 +281,7 @@ class VLLMEngine:
                 self.llm: Any = LLM(
                     model=str(path), skip_tokenizer_init=True, dtype=dtype,
                     enforce_eager=enforce_eager, kv_cache_memory_bytes=kv_cache_memory_bytes,
-                    logprobs_mode=logprobs_mode, max_model_len=max_model_len, seed=0)
+                    logprobs_mode=logprobs_mode, max_model_len=max_model_len, seed=0, **lora)
             except Exception as exc:  # vLLM raises many kinds for "cannot start here"
                 raise EngineError(
                     f"engine=vllm: vLLM could not start on this platform with this model "
@@ -230,7 +312,7 @@ class VLLMEngine:
                                  top_p=params.top_p, min_p=params.min_p,
                                  repetition_penalty=params.repetition_penalty) for seed in seeds]
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling,
-                                    use_tqdm=False)
+                                    use_tqdm=False, lora_request=self.lora_request)
         completions = []
         for out in outputs:
             sample = out.outputs[0]
@@ -239,10 +321,19 @@ class VLLMEngine:
                 ids, [float(step[tok].logprob) for step, tok in zip(sample.logprobs, ids)]))
         return completions
 
+    @property
+    def lora_request(self) -> Any:
+        """The adapter version the next requests run on (``None``: no adapter)."""
+        return None if self.adapters is None else self.adapters.request
+
     def update_weights(self, weights: NamedWeights, *, version: int) -> None:
         """Reload ``weights`` (the checkpoint's tensor names, all of them) in place;
         ``StreamedWeights`` are checked by their announced names and reach vLLM's loader as
-        they stream."""
+        they stream. A LoRA policy's: its adapter's tensors, served as a new adapter version."""
+        if self.adapters is not None:
+            self.adapters.write(iter(weights), version)
+            self.weight_version = version
+            return
         if isinstance(weights, StreamedWeights):
             names = set(weights.shapes)
             given: Iterator[tuple[str, torch.Tensor]] = iter(weights)
@@ -264,6 +355,9 @@ class VLLMEngine:
 
     def close(self) -> None:
         """Shut vLLM's engine core down and drop it (idempotent)."""
+        adapters = getattr(self, "adapters", None)
+        if adapters is not None:
+            adapters.close()
         llm, self.llm = getattr(self, "llm", None), None
         if llm is None:
             return
@@ -281,6 +375,6 @@ class VLLMEngine:
         gc.collect()
 
 
-__all__ = ["INSTALL_HINT", "KV_BLOCK_TOKENS", "KV_CACHE_FLOOR_BYTES", "VLLMEngine",
-           "checkpoint_names", "engine_sizes", "kv_bytes_per_token", "retie_parameters",
-           "tied_parameters"]
+__all__ = ["INSTALL_HINT", "KV_BLOCK_TOKENS", "KV_CACHE_FLOOR_BYTES", "VLLM_LORA_RANKS",
+           "AdapterVersions", "VLLMEngine", "checkpoint_names", "engine_sizes",
+           "kv_bytes_per_token", "peft_file_name", "retie_parameters", "tied_parameters"]
