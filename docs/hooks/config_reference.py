@@ -296,8 +296,10 @@ def _schema_keys(schema: type, prefix: str, values: dict[str, Any]) -> Iterator[
         hint = hints.get(f.name)
         per_option = {o: (v.get(f.name, _MISSING) if isinstance(v, dict) else _MISSING)
                       for o, v in values.items()}
-        if dataclasses.is_dataclass(hint):
-            yield from _schema_keys(hint, dotted, per_option)
+        # A nested node, also where it may be null (model.lora: LoraConfig | None).
+        nested = [a for a in (typing.get_args(hint) or (hint,)) if dataclasses.is_dataclass(a)]
+        if nested:
+            yield from _schema_keys(nested[0], dotted, per_option)
             continue
         yield Key(dotted, _type_name(f.type), per_option, docs.get(f.name, ""),
                   shared.get(f.name, ""))

@@ -125,3 +125,32 @@ def test_engine_vllm_serves_the_lora_policy_through_its_lora_support(monkeypatch
     assert len(gaps) == 3 and max(gaps) < 1e-4
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
     assert (tmp_path / "engine_init" / "adapter" / "adapter_config.json").is_file()
+
+
+def _composed(*overrides):
+    from hydra import compose, initialize_config_module
+
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="tq_plugin.conf", version_base="1.3"):
+        return compose("grpo", overrides=[*FAST, *overrides])
+
+
+@pytest.mark.timeout(120)
+def test_what_lora_does_not_run_yet_is_refused_naming_the_key(tmp_path):
+    from tq_plugin.config import ConfigError
+    from tq_plugin.rl.recipe import RLRecipe
+    from tq_plugin.rl.topology.disaggregated import check_disaggregated
+
+    lora = ["model=hf_causal_lm", "model.lora.r=4"]
+    recipe = RLRecipe(_composed(*lora, "trainer=fsdp_cpu", "trainer.devices=2"), tmp_path)
+    with pytest.raises(ConfigError, match=r"^model\.lora: LoRA under a sharded trainer"):
+        recipe.setup()
+    cfg = _composed(*lora, "engine=hf", "recipe.topology=disaggregated", "tq/backend=ray")
+    with pytest.raises(ConfigError, match=r"^model\.lora with recipe\.topology=disaggregated and "
+                                          r"engine=hf needs model\.pretrained_path"):
+        check_disaggregated(cfg)
+    check_disaggregated(_composed(*lora, "recipe.topology=disaggregated", "tq/backend=ray"))
+    recipe = RLRecipe(_composed(*lora, "recipe.beta=0.1", "recipe.reference_path=x.safetensors"),
+                      tmp_path)
+    with pytest.raises(ConfigError, match=r"^recipe\.reference_path: x\.safetensors cannot be"):
+        recipe.setup()
