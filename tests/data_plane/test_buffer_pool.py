@@ -5,6 +5,7 @@ once the pool is idle, or at once past its bound."""
 from __future__ import annotations
 
 import resource
+import threading
 import time
 
 import pytest
@@ -122,15 +123,42 @@ def test_an_idle_pool_hands_its_buffers_back_to_the_os(pool, monkeypatch):
     assert pool.nbytes == 0
 
 
+class _StoppedClock:
+    """``time`` for ``_columns`` that moves only when the test moves it; ``read`` is set each time
+    the pool's reaper thread reads it (one check of whether the pool has been idle long enough)."""
+
+    def __init__(self) -> None:
+        self.now = time.monotonic()
+        self.read = threading.Event()
+
+    def monotonic(self) -> float:
+        if threading.current_thread().name == "tq-buffer-pool":
+            self.read.set()
+        return self.now
+
+    def advance(self, seconds: float, pool) -> None:
+        """Move on ``seconds`` and return once the reaper has checked the pool at that time."""
+        self.now += seconds
+        self.read.clear()
+        with pool._wake:
+            pool._wake.notify_all()
+        assert self.read.wait(30)
+
+
 def test_a_pool_in_use_is_not_idle(pool, monkeypatch):
     """Steps closer together than ``idle_s`` keep their buffers, whatever the total time."""
+    clock = _StoppedClock()
+    monkeypatch.setattr(_columns, "time", clock)
     monkeypatch.setattr(pool, "idle_s", 0.5)
     dp = LocalDataPlane()
     address, _ = _step(dp)
-    for _ in range(6):  # 6 x 0.2 s: longer than idle_s in all, never idle that long
-        time.sleep(0.2)
+    for _ in range(6):  # 6 x 0.4 s: longer than idle_s in all, never idle that long
+        clock.advance(0.4, pool)
+        assert pool.nbytes > 0
         again, _ = _step(dp)
         assert again == address
+    clock.advance(0.5, pool)  # now idle that long: the same reaper hands the buffers back
+    assert pool.nbytes == 0
     dp.close()
 
 

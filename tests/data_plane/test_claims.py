@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -63,11 +62,30 @@ def test_blocking_claim_waits_for_a_producer_and_times_out(dp):
 
 
 def test_close_wakes_a_blocked_claim(dp):
-    threading.Timer(0.05, dp.close).start()
-    t = time.monotonic()
-    with pytest.raises(DataPlaneClosedError):
-        dp.claim_meta("train", "train", ["input_lengths"], 1, timeout_s=30)
-    assert time.monotonic() - t < 20
+    """The claim's wait ends by close's notify, not by its own timeout (``wait`` returns True
+    only when notified)."""
+    waiting, woken, raised = threading.Event(), [], []
+    wait = dp._produced.wait
+
+    def logged_wait(timeout=None):
+        waiting.set()
+        woken.append(wait(timeout))
+        return woken[-1]
+
+    def claim():
+        try:
+            dp.claim_meta("train", "train", ["input_lengths"], 1, timeout_s=30)
+        except Exception as exc:  # noqa: BLE001 - the test asserts which one
+            raised.append(exc)
+
+    dp._produced.wait = logged_wait
+    claimer = threading.Thread(target=claim)
+    claimer.start()
+    assert waiting.wait(30)
+    dp.close()  # takes the store's lock, which the claim holds until it waits
+    claimer.join()
+    assert woken == [True]
+    assert len(raised) == 1 and isinstance(raised[0], DataPlaneClosedError), raised
 
 
 def test_get_data_requires_a_field_selection(dp):

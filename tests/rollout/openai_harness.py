@@ -83,13 +83,15 @@ class Scripted:
 
 class SinkWrapper:
     """A sink around ``TQTokenSink``: ``fail_on`` (1-based stage numbers) answer ``ok=False``,
-    ``delay_s`` stalls each stage, ``gate`` holds stages until set."""
+    ``delay_s`` stalls each stage, ``gate`` holds stages until set; ``entered`` is set once a
+    stage has begun."""
 
     def __init__(self, sink: Any, *, fail_on: tuple[int, ...] = (), delay_s: float = 0.0,
                  gate: threading.Event | None = None) -> None:
         self.inner, self.fail_on, self.delay_s, self.gate = sink, fail_on, delay_s, gate
         self.stages = 0
         self.lock = threading.Lock()
+        self.entered = threading.Event()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -98,6 +100,7 @@ class SinkWrapper:
         with self.lock:
             self.stages += 1
             n = self.stages
+        self.entered.set()
         if self.gate is not None:
             self.gate.wait(30)
         if self.delay_s:

@@ -6,6 +6,7 @@ answered from its first attempt, never staged twice."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -15,6 +16,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 pytest.importorskip("transformers")
+httpx = pytest.importorskip("httpx")
 
 from tq_plugin.data_plane import SAMPLE_MASK
 from tq_plugin.rollout.openai.server import AgentEndpoint
@@ -34,6 +36,12 @@ def error_of(response, status: int, code: str | None = None, param: str | None =
     if param is not None:
         assert body["error"]["param"] == param, body
     return body["error"]
+
+
+def _until(condition) -> None:
+    """Wait for ``condition()`` (the suite's per-test timeout ends a wait that never does)."""
+    while not condition():
+        time.sleep(0.01)
 
 
 def test_bad_requests_get_openai_style_4xx_errors(make, hf_engine):
@@ -205,9 +213,7 @@ def test_a_client_that_leaves_before_its_call_is_staged_leaves_no_row(make, hf_e
     with pytest.raises(openai.APITimeoutError):
         asyncio.run(client.chat.completions.create(model="p", messages=HI, seed=1))
     rec.gate.set()  # the engine answers after the client left
-    deadline = time.monotonic() + 10
-    while h.endpoint.stats().get("abandoned", 0) < 1 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    _until(lambda: h.endpoint.stats().get("abandoned", 0) >= 1)
     assert h.endpoint.stats()["abandoned"] == 1 and h.staged_keys() == []
     # The rollout is not poisoned: the same request again is a fresh call, staged once.
     r = asyncio.run(h.client(rid).chat.completions.create(model="p", messages=HI, seed=1))
@@ -217,14 +223,41 @@ def test_a_client_that_leaves_before_its_call_is_staged_leaves_no_row(make, hf_e
     assert not receipt.capture_poisoned and len(receipt.manifest) == 1
 
 
+class _FirstAttemptLeaves(httpx.AsyncBaseTransport):
+    """The first request goes out and then "times out" (the connection dropped, an
+    ``httpx.ReadTimeout`` raised, as a client timeout does) once ``staging`` is set; later
+    requests pass. So the first attempt leaves after its call began staging, whatever the clock."""
+
+    def __init__(self, staging: threading.Event) -> None:
+        self.inner, self.staging, self.sent = httpx.AsyncHTTPTransport(), staging, 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.sent += 1
+        if self.sent > 1:
+            return await self.inner.handle_async_request(request)
+        attempt = asyncio.ensure_future(self.inner.handle_async_request(request))
+        await asyncio.to_thread(self.staging.wait)
+        attempt.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await attempt
+        raise httpx.ReadTimeout("the first attempt left once its call was staging",
+                                request=request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
 def test_a_retried_request_is_answered_from_its_first_attempt(make, hf_engine):
     """The openai client retries a timed-out call with the same body: a retry joins the call
-    in flight (here held in ``stage``), gets its answer, and the call is staged once."""
+    in flight (here held in ``stage``), gets its answer, and the call is staged once. The first
+    attempt times out once its call is staging (``_FirstAttemptLeaves``): a client that left
+    earlier leaves nothing behind (the test above), so no clock may decide which case runs."""
     gate = threading.Event()
-    # An instant engine: the first attempt must reach its stage before its client times out.
     h = make(Recorder(Scripted([[5, 6, 7]] * 8)), sink_wrap=lambda s: SinkWrapper(s, gate=gate))
     rid = h.endpoint.open_rollout("retry")
-    client = h.client(rid, max_retries=8, timeout=0.4)
+    transport = _FirstAttemptLeaves(h.sink.entered)
+    client = h.client(rid, max_retries=1, timeout=60,
+                      http_client=httpx.AsyncClient(transport=transport))
     answer = {}
 
     def call():
@@ -232,14 +265,15 @@ def test_a_retried_request_is_answered_from_its_first_attempt(make, hf_engine):
 
     caller = threading.Thread(target=call)
     caller.start()
-    deadline = time.monotonic() + 30
-    while (h.sink.stages < 1 or h.endpoint.stats().get("replays", 0) < 1) \
-            and time.monotonic() < deadline:
-        time.sleep(0.02)
-    gate.set()  # the first attempt timed out, a retry joined it: now let the stage finish
-    caller.join(30)
+    # the retry joined the call (or, wrongly, started a second one)
+    _until(lambda: h.endpoint.stats().get("replays", 0) or h.sink.stages > 1)
+    assert h.endpoint.stats()["replays"] == 1 and h.sink.stages == 1
+    assert "r" not in answer  # the call is still held in its stage
+    gate.set()
+    caller.join()
+    assert transport.sent == 2
     r = answer["r"]
-    assert h.endpoint.stats()["replays"] >= 1
+    assert h.endpoint.stats()["replays"] == 1
     assert h.staged_keys() == [r.model_extra["tq_staging"]["staging_key"]]
     assert h.engine.requests == 1 and h.sink.stages == 1
     # The same body again (a client that retries on its own) gets the same answer, replayed.
