@@ -154,3 +154,31 @@ def test_what_lora_does_not_run_yet_is_refused_naming_the_key(tmp_path):
                       tmp_path)
     with pytest.raises(ConfigError, match=r"^recipe\.reference_path: x\.safetensors cannot be"):
         recipe.setup()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_ddp_ranks_train_the_one_process_lora_update(tmp_path):
+    """trainer=ddp_cpu with model.lora.r: the frozen base has no gradients to all-reduce, the
+    adapters' are; the ranks' steps are the one-process steps (rewards, reference KL, losses)."""
+    import os
+    import subprocess
+
+    def run(out, *extra):
+        cmd = [sys.executable, "-m", "tq_plugin.cli", "--config-name", "grpo",
+               f"hydra.run.dir={out}", *FAST, "model=hf_causal_lm", "model.lora.r=8",
+               "engine=hf", "recipe.num_steps=3", "recipe.beta=0.04", *extra]
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_"))}
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=280, check=False)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return rows(out)
+
+    one = run(tmp_path / "one")
+    two = run(tmp_path / "two", "trainer=ddp_cpu", "trainer.devices=2")
+    assert [r["reward"] for r in two] == [r["reward"] for r in one]
+    for a, b in zip(two, one, strict=True):
+        assert float(a["kl_ref"]) == pytest.approx(float(b["kl_ref"]), rel=1e-3, abs=1e-7)
+        assert float(a["loss"]) == pytest.approx(float(b["loss"]), rel=1e-3, abs=1e-6)
+    assert (tmp_path / "two" / "adapter" / "adapter_model.safetensors").is_file()

@@ -216,3 +216,9 @@ def test_vllm_serves_each_synced_adapter_as_a_new_lora_version(tmp_path):
             engine.update_weights(list(engine_weights(model, "vllm"))[1:], version=9)
     finally:
         engine.close()
+
+
+def test_the_adapters_stay_float32_over_a_bf16_base():
+    model = policy(LORA, dtype="bfloat16")
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
+    assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}
