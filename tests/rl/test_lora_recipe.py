@@ -145,11 +145,14 @@ def test_what_lora_does_not_run_yet_is_refused_naming_the_key(tmp_path):
     recipe = RLRecipe(_composed(*lora, "trainer=fsdp_cpu", "trainer.devices=2"), tmp_path)
     with pytest.raises(ConfigError, match=r"^model\.lora: LoRA under a sharded trainer"):
         recipe.setup()
-    cfg = _composed(*lora, "engine=hf", "recipe.topology=disaggregated", "tq/backend=ray")
-    with pytest.raises(ConfigError, match=r"^model\.lora with recipe\.topology=disaggregated and "
-                                          r"engine=hf needs model\.pretrained_path"):
-        check_disaggregated(cfg)
-    check_disaggregated(_composed(*lora, "recipe.topology=disaggregated", "tq/backend=ray"))
+    for engine in ("native", "hf"):
+        cfg = _composed(*lora, f"engine={engine}", "recipe.topology=disaggregated",
+                        "tq/backend=ray")
+        with pytest.raises(ConfigError, match=r"^model\.lora with recipe\.topology=disaggregated "
+                                              r"needs model\.pretrained_path"):
+            check_disaggregated(cfg)
+    check_disaggregated(_composed(*lora, "recipe.topology=disaggregated", "tq/backend=ray",
+                                  f"model.pretrained_path={tmp_path}"))
     recipe = RLRecipe(_composed(*lora, "recipe.beta=0.1", "recipe.reference_path=x.safetensors"),
                       tmp_path)
     with pytest.raises(ConfigError, match=r"^recipe\.reference_path: x\.safetensors cannot be"):

@@ -178,13 +178,12 @@ def check_disaggregated(cfg: Any) -> None:
         raise ConfigError(
             f"recipe.max_staleness={rc.max_staleness}: topology=disaggregated needs >= 1 (rows "
             "generated while the trainer trains lag it by one step; colocated is on-policy)")
-    model, engine = cfg.model, (cfg.get("engine") or {}).get("name", "native")
-    if ((model.get("lora") or {}).get("r") is not None and engine != "native"
-            and model.get("pretrained_path") is None):
+    model = cfg.model
+    if (model.get("lora") or {}).get("r") is not None and model.get("pretrained_path") is None:
         raise ConfigError(
-            f"model.lora with recipe.topology=disaggregated and engine={engine} needs "
-            f"model.pretrained_path: each worker's engine starts from its own copy of the frozen "
-            f"base, which only a checkpoint makes the trainer's (or use engine=native)")
+            "model.lora with recipe.topology=disaggregated needs model.pretrained_path: the "
+            "workers receive the adapters alone over their own copy of the frozen base, which "
+            "only a checkpoint makes the trainer's (a random init differs per process)")
     backend = cfg.tq.backend
     if not shares_rows(get_class(backend._target_)):
         raise ConfigError(

@@ -18,6 +18,7 @@ import torch
 from tq_plugin.data_plane.calls import OLD_ORDER, as_keywords, partition_of
 from tq_plugin.rl.models import fsdp as sharding
 from tq_plugin.rl.training.step_record import TURN_REWARDS
+from tq_plugin.rollout.engine import synced_parameters
 
 WEIGHTS_PARTITION = "policy_weights"
 # The shared partition the workers deliver finished training rows into (the trainer claims
@@ -67,7 +68,9 @@ def newest_weights(client: Any) -> tuple[int, int] | None:
 
 def weights_snapshot(model: torch.nn.Module, *, keep: bool = True) -> torch.Tensor | None:
     """``model``'s parameters as one float32 row ``[1, P]`` on the CPU: a copy, so the next
-    optimizer step does not change what is being published.
+    optimizer step does not change what is being published. Those a weight sync carries
+    (``synced_parameters``): of a LoRA policy its adapters alone, the workers holding the same
+    frozen base.
 
     A sharded (FSDP2) model's parameters are gathered into that row a bounded bucket of full
     tensors at a time (``sharding.iter_full_tensors``): a collective, so every rank calls it
@@ -76,7 +79,7 @@ def weights_snapshot(model: torch.nn.Module, *, keep: bool = True) -> torch.Tens
     model's tensors pass through the same loop (one copy each into the row)."""
     if not keep and not sharding.is_sharded(model):
         return None  # no gather to join
-    named = list(model.named_parameters())
+    named = synced_parameters(model)
     flat = torch.empty(1, sum(p.numel() for _, p in named), dtype=torch.float32) if keep else None
     offset = 0
     for _, full in sharding.iter_full_tensors(named, device="cpu"):

@@ -12,7 +12,7 @@ exchanges with the trainer goes through that store:
   (``min_version``; see ``tq_plugin.rl.topology.staleness``). The worker claims tickets as they come and
   runs, of those it holds, the lowest target the newest weights allow;
 * **weights** (partition ``policy_weights``): one row per version (``v{n}``: the flat parameter
-  vector and its ``weight_version``). Before each ticket the worker loads the newest version
+  vector, of a LoRA policy the adapters' alone, and its ``weight_version``). Before each ticket the worker loads the newest version
   into its policy module and from there into its rollout engine (``engine=native`` samples
   that module itself; ``hf`` and ``vllm`` hold their own copy, started from an HF checkpoint
   of the worker's policy written to a temporary directory, and take the new weights in place);
@@ -84,6 +84,7 @@ from tq_plugin.rl.topology.exchange import (
     weights_task,
 )
 from tq_plugin.rl.training.pipeline import DrawLoop, RowIO
+from tq_plugin.rollout.engine import synced_parameters
 
 
 @dataclass
@@ -135,7 +136,8 @@ class _Weights:
             except KeyError:  # replaced by a newer publish between the listing and the read
                 newest = newest_weights(self.client)
                 continue
-            vector_to_parameters(td[WEIGHTS][0], self.policy.parameters())
+            # the trainer's synced_parameters, in its order (a LoRA policy's: the adapters)
+            vector_to_parameters(td[WEIGHTS][0], [p for _, p in synced_parameters(self.policy)])
             self.engine.update_weights(self._named(), version=newest[1])
             self.publish, self.version = newest
             return self.version
