@@ -18,7 +18,7 @@ MODULES = ["bench_data_plane", "bench_backends", "bench_packing", "bench_lightni
            "bench_topology", "bench_engines", "bench_agent_endpoint", "bench_fsdp", "bench_logprobs",
            "bench_real_shapes", "bench_real_lengths", "bench_parity", "bench_toy_steps",
            "bench_real_extra",
-           "bench_real_model",
+           "bench_real_model", "bench_lora",
            "soak", "reliability", "async_resume"]
 HERE = pathlib.Path(__file__).parent
 

@@ -93,10 +93,10 @@ def test_a_disaggregated_lora_run_sends_its_workers_the_adapters_alone(tmp_path,
     GlobalHydra.instance().clear()
     run = tmp_path / "run"
     recipe = RLRecipe(cfg, run)
-    recipe.setup()
     try:
+        recipe.setup()
         recipe.train()
-    finally:
+    finally:  # the workers stop with the run, whatever happened
         recipe.source.stop()
     result = json.loads((run / "result.json").read_text())
     assert result["status"] == "ok" and result["steps"] == 3 and result["workers_lost"] == 0
