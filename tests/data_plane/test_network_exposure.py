@@ -1,23 +1,26 @@
 """What a run listens on: every listening socket of the processes the distributed backends start
-(local Ray, the store actor, TransferQueue's controller and storage unit, a worker actor) is on
-loopback, or refuses a caller without Ray's token; and a caller without the token is refused.
+(local Ray, the store actor, TransferQueue's controller and storage unit, a worker actor) binds
+127.0.0.1, as SECURITY.md says; a caller without Ray's token, or with a wrong one, is refused;
+TransferQueue refuses a Ray node off loopback.
 
 The processes are this test process's tree (the session's Ray was started from here, so its GCS,
-raylet, agents and actors are all descendants). SECURITY.md lists what this measures.
+raylet, agents and actors are all descendants). SECURITY.md lists what this measures. The checks
+that need no Ray (the probe, the node check over a stand-in ``ray``) run in the fast tier.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 import socket
 import subprocess
 import sys
 import threading
+from types import SimpleNamespace
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 psutil = pytest.importorskip("psutil")
 
 # Read-only calls of the Ray services a run hosts; a server without the method answers
@@ -41,18 +44,17 @@ def _listening() -> list[tuple[str, int, str]]:
     return sorted(out, key=lambda r: r[1])
 
 
-def _is_loopback(ip: str) -> bool:
+def _binds_127_0_0_1(ip: str) -> bool:
+    """The address is 127.0.0.1 (also as the IPv4-mapped ``::ffff:127.0.0.1`` a dual-stack
+    socket reports)."""
     addr = ipaddress.ip_address(ip.split("%")[0])
-    mapped = getattr(addr, "ipv4_mapped", None)
-    return (mapped or addr).is_loopback
+    return (getattr(addr, "ipv4_mapped", None) or addr) == ipaddress.ip_address("127.0.0.1")
 
 
 def _answers_without_token(host: str, port: int) -> bool:
     """True when the server at host:port serves a request that carries no token: an HTTP GET
     that is not 401/403, a ZMQ greeting (ZMQ has no token), or a gRPC call that is not
     UNAUTHENTICATED."""
-    import grpc
-
     try:
         with socket.create_connection((host, port), timeout=2) as s:
             s.sendall(b"GET /metrics HTTP/1.0\r\nHost: probe\r\n\r\n")
@@ -63,6 +65,8 @@ def _answers_without_token(host: str, port: int) -> bool:
         return int(head.split()[1]) not in (401, 403)
     if head.startswith(b"\xff"):  # ZMTP signature: TransferQueue's sockets
         return True
+    import grpc
+
     with grpc.insecure_channel(f"{host}:{port}") as channel:
         for path in _GRPC_PROBES:
             try:
@@ -77,21 +81,15 @@ def _answers_without_token(host: str, port: int) -> bool:
     return False
 
 
-def _routable_ip() -> str | None:
-    """This machine's address on its default route (how another host would reach it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("192.0.2.1", 9))  # TEST-NET-1: nothing is sent
-            return s.getsockname()[0]
-        except OSError:
-            return None
-
-
 def _loop(stop: threading.Event) -> None:
     stop.wait(120)
 
 
-def test_every_socket_a_run_opens_is_on_loopback_or_asks_for_the_token(tq_session):
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_every_socket_a_run_opens_binds_127_0_0_1(tq_session):
+    """SECURITY.md: every port of the run binds 127.0.0.1, whether or not it asks for the token
+    (a socket on another address of this tree fails the test, whoever opened it)."""
     from tq_plugin.data_plane.backends.ray_actor import RayDataPlane
     from tq_plugin.data_plane.backends.ray_workers import RayActorLauncher
     from tq_plugin.data_plane.backends.transferqueue import TransferQueueDataPlane
@@ -107,35 +105,86 @@ def test_every_socket_a_run_opens_is_on_loopback_or_asks_for_the_token(tq_sessio
         names = {name for _, _, name in sockets}
         assert {"gcs_server", "raylet"} <= names, sockets  # the tree holds the whole session
         assert any("TransferQueueController" in n for n in names), sockets
-        routable = _routable_ip()
-        exposed = []
-        for ip, port, name in sockets:
-            if _is_loopback(ip):
-                continue
-            host = routable if ip in ("0.0.0.0", "::") else ip
-            if host is None or _answers_without_token(host, port):
-                exposed.append((ip, port, name))
-        assert not exposed, f"listening off loopback and answering without the token: {exposed}"
+        elsewhere = [s for s in sockets if not _binds_127_0_0_1(s[0])]
+        assert not elsewhere, f"listening on another address than 127.0.0.1: {elsewhere}"
     finally:
         worker.stop(5.0)
         for store in stores:
             store.close()
 
 
-def test_the_probe_sees_what_answers_without_the_token(ray_session):
-    """The probe is not blind: the GCS refuses it, a plain HTTP server answers it."""
-    import http.server
+def test_only_127_0_0_1_passes_the_audit():
+    assert _binds_127_0_0_1("127.0.0.1") and _binds_127_0_0_1("::ffff:127.0.0.1")
+    for other in ("0.0.0.0", "::", "127.0.0.2", "::1", "10.1.2.3", "::ffff:10.1.2.3", "fe80::1%eth0"):
+        assert not _binds_127_0_0_1(other), other
 
+
+def _serve_once(reply: bytes) -> tuple[int, threading.Thread]:
+    """A server on 127.0.0.1 that answers one connection with ``reply``; its port."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def answer() -> None:
+        with server:
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(1024)
+                conn.sendall(reply)
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    return server.getsockname()[1], thread
+
+
+@pytest.mark.parametrize(("reply", "answers"), [
+    (b"HTTP/1.0 200 OK\r\n\r\nmetrics", True),
+    (b"HTTP/1.0 401 Unauthorized\r\n\r\n", False),
+    (b"HTTP/1.1 403 Forbidden\r\n\r\n", False),
+    (b"\xff\x00\x00\x00\x00\x00\x00\x00\x01\x7f", True),  # a ZMTP greeting: ZMQ asks for nothing
+])
+def test_the_probe_tells_what_answers_without_the_token(reply, answers):
+    port, thread = _serve_once(reply)
+    assert _answers_without_token("127.0.0.1", port) is answers
+    thread.join()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_gcs_refuses_the_probe(ray_session):
     gcs = ray_session.get_runtime_context().gcs_address
     host, port = gcs.rsplit(":", 1)
     assert not _answers_without_token(host, int(port))
-    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
-    thread = threading.Thread(target=server.handle_request, daemon=True)
-    thread.start()
-    try:
-        assert _answers_without_token("127.0.0.1", server.server_address[1])
-    finally:
-        server.server_close()
+
+
+def _fake_ray(node_ip: str, nodes: list[dict]) -> SimpleNamespace:
+    return SimpleNamespace(util=SimpleNamespace(get_node_ip_address=lambda: node_ip),
+                           nodes=lambda: nodes)
+
+
+@pytest.mark.parametrize(("node_ip", "nodes", "off"), [
+    ("127.0.0.1", [{"NodeManagerAddress": "127.0.0.1", "Alive": True}], []),
+    ("::1", [{"NodeManagerAddress": "[::1]", "Alive": True}], []),
+    ("10.1.2.3", [{"NodeManagerAddress": "127.0.0.1", "Alive": True}], ["10.1.2.3"]),
+    # this process on loopback, another live node of the cluster is not: ray.nodes() names it
+    ("127.0.0.1", [{"NodeManagerAddress": "127.0.0.1", "Alive": True},
+                   {"NodeManagerAddress": "10.9.8.7", "Alive": True},
+                   {"NodeManagerAddress": "10.0.0.5", "Alive": False}], ["10.9.8.7"]),
+])
+def test_transferqueue_refuses_a_node_off_loopback_unless_allowed(monkeypatch, caplog, node_ip,
+                                                                   nodes, off):
+    from tq_plugin.data_plane.backends import ray_cluster
+    from tq_plugin.data_plane.backends import transferqueue_service as mod
+
+    monkeypatch.setattr(ray_cluster, "import_ray", lambda: _fake_ray(node_ip, nodes))
+    assert ray_cluster.nodes_off_loopback() == off
+    if not off:
+        mod.check_nodes_on_loopback(False)
+        return
+    with pytest.raises(RuntimeError, match=rf"{off[0]}.*not loopback.*unauthenticated.*"
+                                           r"allow_non_loopback"):
+        mod.check_nodes_on_loopback(False)
+    with caplog.at_level(logging.WARNING, logger=mod.__name__):
+        mod.check_nodes_on_loopback(True)
+    assert "unpickle" in caplog.text and off[0] in caplog.text
 
 
 ATTACH = """
@@ -149,17 +198,46 @@ else:
 """
 
 
+def _gcs_call(gcs: str, token: str) -> object:
+    """A read-only GCS call carrying ``token`` as Ray sends it; the gRPC status code."""
+    import grpc
+
+    with grpc.insecure_channel(gcs) as channel:
+        try:
+            channel.unary_unary("/ray.rpc.NodeInfoGcsService/GetClusterId")(
+                b"", timeout=10, metadata=[("authorization", f"Bearer {token}")])
+        except grpc.RpcError as err:
+            return err.code()
+    return grpc.StatusCode.OK
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_a_driver_with_the_wrong_token_is_refused(ray_session):
+    """The GCS answers a call with a wrong token UNAUTHENTICATED and the same call with the
+    session's token; a driver attaching with the wrong token is refused, with the right one it
+    attaches (so the token alone makes the difference)."""
+    import grpc
+
     from tq_plugin.data_plane.backends.ray_cluster import cluster_answers_without_token
 
     gcs = ray_session.get_runtime_context().gcs_address
     assert not cluster_answers_without_token(gcs)
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64,
-           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONWARNINGS": "ignore"}
-    out = subprocess.run([sys.executable, "-c", ATTACH, gcs], capture_output=True, text=True,
-                         timeout=120, env=env, check=False)
-    assert "attached" not in out.stdout, out.stdout + out.stderr[-2000:]
-    assert "Auth" in out.stdout + out.stderr, out.stdout + out.stderr[-2000:]
+    wrong, right = "0" * 64, os.environ["RAY_AUTH_TOKEN"]
+    assert wrong != right
+    assert _gcs_call(gcs, wrong) == grpc.StatusCode.UNAUTHENTICATED
+    assert _gcs_call(gcs, right) == grpc.StatusCode.OK
+    drivers = {}
+    for token in (wrong, right):
+        env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
+               "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONWARNINGS": "ignore"}
+        drivers[token] = subprocess.Popen([sys.executable, "-c", ATTACH, gcs], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True)
+    outs = {token: p.communicate(timeout=120) for token, p in drivers.items()}
+    # ray.init reports the refused handshake as a ConnectionError ("Failed to connect")
+    assert outs[wrong][0].strip().splitlines()[-1:] == ["ConnectionError"], outs[wrong]
+    assert outs[right][0].strip().splitlines()[-1:] == ["attached"], outs[right]
 
 
 UNAUTHENTICATED = """
@@ -188,6 +266,8 @@ print(json.dumps([refused_start, answers, refused_attach]))
 """
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_a_cluster_without_token_authentication_is_refused_unless_allowed():
     """RAY_AUTH_MODE=disabled: the backends refuse to start such a cluster, and one started
     anyway (allowed) answers callers without a token, which the attach check refuses."""

@@ -4,7 +4,6 @@ conformance suite runs every other contract test over it too)."""
 
 from __future__ import annotations
 
-import logging
 import pickle
 import threading
 import uuid
@@ -146,18 +145,6 @@ def test_start_up_refuses_without_the_cpus_transferqueue_would_wait_for(monkeypa
     monkeypatch.setattr(ray_session, "available_resources", lambda: {"CPU": 1.0})
     with pytest.raises(RuntimeError, match=r"needs 3 Ray CPUs \(1 controller \+ 2 storage units.*1 available"):
         mod.ensure_transfer_queue(num_storage_units=2)
-
-
-def test_sockets_stay_on_loopback_unless_allowed(monkeypatch, caplog, ray_session):
-    from tq_plugin.data_plane.backends import transferqueue_service as mod
-
-    mod.check_nodes_on_loopback(False)  # the session's Ray runs on 127.0.0.2
-    monkeypatch.setattr(ray_session.util, "get_node_ip_address", lambda: "10.1.2.3")
-    with pytest.raises(RuntimeError, match=r"10\.1\.2\.3.*not loopback.*unauthenticated.*allow_non_loopback"):
-        mod.check_nodes_on_loopback(False)
-    with caplog.at_level(logging.WARNING, logger=mod.__name__):
-        mod.check_nodes_on_loopback(True)
-    assert "unpickle" in caplog.text and "10.1.2.3" in caplog.text
 
 
 def test_a_blocking_call_past_its_deadline_raises():

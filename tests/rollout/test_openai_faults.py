@@ -144,6 +144,27 @@ def test_off_loopback_needs_a_token_and_every_request_must_carry_it(make, hf_eng
     assert h.engine.requests == 1
 
 
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1"])
+def test_a_loopback_host_serves_without_a_token_on_loopback_only(make, host):
+    """``localhost`` and ``::1`` count as loopback (no api_key asked for), and the socket the
+    endpoint listens on is a loopback address; ``::`` and ``0.0.0.0`` are not."""
+    import ipaddress
+
+    import psutil
+
+    for everywhere in ("::", "0.0.0.0"):
+        with pytest.raises(ValueError, match="api_key"):
+            make(Scripted([]), host=everywhere)
+    h = make(Recorder(Scripted([[5, 6, 7]])), host=host)
+    bound = {c.laddr.ip for c in psutil.Process().net_connections(kind="inet")
+             if c.status == psutil.CONN_LISTEN and c.laddr.port == h.endpoint.port}
+    assert bound and all(ipaddress.ip_address(ip).is_loopback for ip in bound), bound
+    assert [m["id"] for m in h.http.get("/v1/models").json()["data"]] == ["policy"]
+    rid = h.endpoint.open_rollout("loopback")
+    r = asyncio.run(h.client(rid).chat.completions.create(model="p", messages=HI))
+    assert r.choices[0].message.role == "assistant"
+
+
 def test_a_call_that_does_not_stage_is_an_error_and_poisons_its_rollout(make, hf_engine):
     h = make(Recorder(hf_engine), sink_wrap=lambda s: SinkWrapper(s, fail_on=(2,)))
     rid = h.endpoint.open_rollout("poison")
