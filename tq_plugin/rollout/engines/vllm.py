@@ -311,6 +311,13 @@ class VLLMEngine:
                                  allowed_token_ids=allowed, top_k=params.top_k,
                                  top_p=params.top_p, min_p=params.min_p,
                                  repetition_penalty=params.repetition_penalty) for seed in seeds]
+        # A thread's first torch call sets its OpenMP thread count to the process's torch count
+        # (PyTorch's lazy per-thread init), but vLLM's CPU attention builds its metadata before
+        # any such call: in a fresh thread (the agent endpoint's engine thread), once the
+        # process's count is not the core count, its kernel fails "metadata->thread_num ==
+        # thread_num (2 vs. 1)" and the endpoint's generate never returned. Reading the count
+        # runs that init first.
+        torch.get_num_threads()
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling,
                                     use_tqdm=False, lora_request=self.lora_request)
         completions = []
