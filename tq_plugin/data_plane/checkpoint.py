@@ -57,6 +57,8 @@ from tq_plugin.data_plane.jagged import nested_from_lengths
 from tq_plugin.data_plane.rows import gather_rows
 
 FORMAT = "tq_plugin.local_store"
+# Bumped by every change to what ``save_store`` writes: tests/data/store_checkpoint/v<N>/ holds
+# a checkpoint of each version, and the tests load every one (test_checkpoint_format.py).
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 MANIFEST_DIGEST = "manifest.sha256"
