@@ -50,13 +50,14 @@ from tq_plugin.lightning import DataPlaneCallback, MetaDataModule
 from tq_plugin.lightning.instantiators import instantiate_callbacks, instantiate_loggers
 from tq_plugin.rl.algorithms.registry import check_registered, import_user_modules
 from tq_plugin.rl.models import fsdp as sharding
-from tq_plugin.rl.models.lora import ADAPTER_DIR, peft_model_of, save_adapter, trainable_parameters
+from tq_plugin.rl.models.lora import ADAPTER_DIR, peft_model_of, trainable_parameters
 from tq_plugin.rl.models.protocol import check_models
 from tq_plugin.rl.models.weights import (
     HF_POLICY_DIR,
     hf_backbone,
     save_final_full_weights,
     save_final_weights,
+    write_adapter,
     write_hf_checkpoint,
 )
 from tq_plugin.rl.tasks.prompts import TaskState
@@ -267,10 +268,6 @@ class RLRecipe:
                                  workers_generate=self.source.off_policy)
         self.world_size = self.trainer.world_size
         self.sharded = ranks.is_sharded_run(self.trainer)
-        if self.sharded and peft_model_of(self.module.policy) is not None:
-            raise ConfigError("model.lora: LoRA under a sharded trainer (trainer=fsdp_cpu, "
-                              "trainer=fsdp) is not supported yet; use trainer=cpu or "
-                              "trainer=ddp_cpu, or model.lora.r=null")
         if self.world_size > 1 and self.engine_cfg.name == "vllm":
             raise EngineError("engine=vllm runs with one trainer process: use engine=hf or "
                               "engine=native with several ranks (trainer=ddp_cpu, fsdp_cpu)")
@@ -363,6 +360,7 @@ class RLRecipe:
             save_final_full_weights(self.output_dir, policy=self.module.policy,
                                     value=self.module.value, rank=trainer.global_rank)
             self.save_hf_policy(self.output_dir / HF_POLICY_DIR)
+            self.save_adapter(trainer.global_rank)
         evaluated = None
         if self.rc.eval_every and not interrupted:  # sharded: every rank's forwards
             evaluated = self.source.final_evaluation(trainer)
@@ -400,8 +398,13 @@ class RLRecipe:
                 save_final_weights(self.output_dir, policy=self.module.policy,
                                    value=self.module.value)
                 self.save_hf_policy(self.output_dir / HF_POLICY_DIR)
-                if peft_model_of(self.module.policy) is not None:
-                    save_adapter(self.module.policy, self.output_dir / ADAPTER_DIR)
+                self.save_adapter(trainer.global_rank)
+
+    def save_adapter(self, rank: int) -> None:
+        """A LoRA policy's adapter as the run dir's PEFT directory (``adapter/``; a sharded
+        policy's gathered, every rank joining); nothing for full fine-tuning."""
+        if peft_model_of(self.module.policy) is not None:
+            write_adapter(self.module.policy, self.output_dir / ADAPTER_DIR, rank=rank)
 
     def save_hf_policy(self, directory: Path) -> Path | None:
         """An HF-format policy as a ``save_pretrained`` directory with the task's tokenizer

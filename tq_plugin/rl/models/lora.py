@@ -89,11 +89,13 @@ def _lora_layers(backbone: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, module
 
 
-def base_state_dict(backbone: nn.Module, *, merged: bool = False) -> dict[str, torch.Tensor]:
+def base_state_dict(backbone: nn.Module, *, merged: bool = False,
+                    state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The transformers model's weights under the checkpoint's own names (``base_layer`` folded
-    away, no adapter tensors): the frozen base, or ``merged`` each adapter's update added in
-    float32. A model without adapters: its state dict."""
-    state = backbone.state_dict()
+    away, no adapter tensors): the frozen base, or ``merged`` each adapter's update
+    (``B @ A * alpha / r``) added in float32. ``state``: the model's state dict as full tensors
+    (a sharded model's, gathered), by default its own. A model without adapters: its state."""
+    state = backbone.state_dict() if state is None else state
     layers = dict(_lora_layers(backbone))
     if not layers:
         return state
@@ -101,20 +103,33 @@ def base_state_dict(backbone: nn.Module, *, merged: bool = False) -> dict[str, t
     if merged:
         for name, layer in layers.items():
             key = f"{name}.weight"
-            with torch.no_grad():
-                delta = layer.get_delta_weight(ADAPTER_NAME).float()
-                out[key] = (out[key].float() + delta).to(out[key].dtype)
+            out[key] = (out[key].float() + _delta(name, layer, state)).to(out[key].dtype)
     return out
 
 
-def save_adapter(model: nn.Module, directory: str | Path) -> Path:
+def _delta(name: str, layer: nn.Module, state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One adapted linear's update in float32, from ``state``'s (full) ``lora_A`` / ``lora_B``."""
+    a, b = (state.get(f"{name}.lora_{x}.{ADAPTER_NAME}.weight") for x in "AB")
+    if a is None or b is None or not isinstance(layer, peft.tuners.lora.Linear):
+        with torch.no_grad():  # another layer kind (an embedding, a conv): PEFT's own formula
+            return layer.get_delta_weight(ADAPTER_NAME).float()
+    delta = (b.float() @ a.float()) * float(layer.scaling[ADAPTER_NAME])
+    return delta.T if getattr(layer, "fan_in_fan_out", False) else delta
+
+
+def save_adapter(model: nn.Module, directory: str | Path,
+                 state: dict[str, torch.Tensor] | None = None) -> Path:
     """The adapter as a PEFT directory (``adapter_config.json``, ``adapter_model.safetensors``)
-    that ``PeftModel.from_pretrained(base, directory)`` loads onto the untouched base."""
+    that ``PeftModel.from_pretrained(base, directory)`` loads onto the untouched base.
+    ``state``: the transformers model's state dict as full tensors (a sharded model's,
+    gathered), by default its own."""
     wrapped = peft_model_of(model)
     if wrapped is None:
         raise ValueError(f"{type(model).__qualname__} has no LoRA adapter (model.lora.r is null)")
     directory = Path(directory)
-    wrapped.save_pretrained(str(directory), safe_serialization=True)
+    kwargs = {} if state is None else {
+        "state_dict": {f"base_model.model.{k}": v for k, v in state.items() if ".lora_" in k}}
+    wrapped.save_pretrained(str(directory), safe_serialization=True, **kwargs)
     return directory
 
 

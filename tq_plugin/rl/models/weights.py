@@ -149,26 +149,37 @@ def write_hf_checkpoint(policy: nn.Module, directory: str | Path, *, rank: int =
         raise ValueError(f"{type(policy).__qualname__} is not an HF-format policy")
     directory = Path(directory)
     adapter = peft_model_of(policy)
-    if sharding.is_sharded(backbone):
-        state = sharding.full_state_dict(backbone, rank=rank)
-    else:
-        state = None if adapter is None else base_state_dict(backbone, merged=merged)
+    full = sharding.full_state_dict(backbone, rank=rank) if sharding.is_sharded(backbone) else None
+    state = full
+    if adapter is not None and rank == 0:
+        state = base_state_dict(backbone, merged=merged, state=full)
     if rank == 0:
         tmp = directory.with_name(f".{directory.name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         backbone.save_pretrained(str(tmp), state_dict=state)
         if adapter is not None and not merged:
-            save_adapter(policy, tmp / ADAPTER_DIR)
+            save_adapter(policy, tmp / ADAPTER_DIR, state=full)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
             _generation_ids(tmp, tokenizer)
         if directory.exists():
             shutil.rmtree(directory)
         os.replace(tmp, directory)
-    del state
+    del state, full
     if barrier is not None:
         barrier()
     return directory
+
+
+def write_adapter(policy: nn.Module, directory: str | Path, *, rank: int = 0) -> Path | None:
+    """A LoRA policy's adapter as a PEFT directory (``lora.save_adapter``); a sharded policy's
+    adapter tensors gathered first (every rank calls it, rank 0 writes; ``None`` elsewhere)."""
+    backbone = hf_backbone(policy)
+    full = None
+    if backbone is not None and sharding.is_sharded(backbone):
+        adapters = [(n, p) for n, p in backbone.named_parameters() if ".lora_" in n]
+        full = {n: t for n, t in sharding.iter_full_tensors(adapters, device="cpu")}
+    return save_adapter(policy, directory, state=full) if rank == 0 else None
 
 
 def write_engine_checkpoint(policy: nn.Module, directory: str | Path, *, rank: int = 0,
@@ -195,6 +206,6 @@ def engine_weights(policy: nn.Module, engine: str) -> NamedWeights:
                            lambda: sharding.iter_full_tensors(named))
 
 
-__all__ = ["HF_POLICY_DIR", "POLICY_WEIGHTS", "VALUE_WEIGHTS", "engine_weights", "hf_backbone", "load_weights",
-           "save_final_full_weights", "save_final_weights", "save_full_weights", "save_weights",
-           "write_engine_checkpoint", "write_hf_checkpoint"]
+__all__ = ["HF_POLICY_DIR", "POLICY_WEIGHTS", "VALUE_WEIGHTS", "engine_weights", "hf_backbone",
+           "load_weights", "save_final_full_weights", "save_final_weights", "save_full_weights",
+           "save_weights", "write_adapter", "write_engine_checkpoint", "write_hf_checkpoint"]
