@@ -26,6 +26,8 @@ from its last hidden states and the LM head in chunks (:mod:`tq_plugin.rl.models
 the ``[B, S, V]`` logits are never built. Models whose logits are not ``hidden @ W.T`` (a logit
 scale or final soft-capping) reduce their full logits instead. ``gradient_checkpointing=True``
 is the transformers model's own (``gradient_checkpointing_enable``); ``dtype`` the weights'.
+``lora`` (``model.lora``, the ``lora`` extra): PEFT's LoRA adapters injected into the backbone,
+the base frozen (:mod:`tq_plugin.rl.models.lora`); ``r: null`` builds the model as without it.
 """
 
 from __future__ import annotations
