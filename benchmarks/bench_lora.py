@@ -136,6 +136,7 @@ def _run_probe(*args: str) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     modes = {"full fine-tuning": "full", f"LoRA r={LORA['r']}": "lora"}
+    load_before = os.getloadavg()[0]
     steps = {label: _run_probe("step", mode) for label, mode in modes.items()}
     syncs = {(label, e): _run_probe("sync", mode, e) for label, mode in modes.items()
              for e in ENGINES}
@@ -172,6 +173,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
          "new adapter), for both."),
         "One sync, LoRA / full: " + ", ".join(f"{e} {r:.3f}x" for e, r in ratio.items())
         + " (goal <= 0.1x). Learning at equal steps is not measured here yet.",
+        (f"Load average (1 min) {load_before:.1f} before, {os.getloadavg()[0]:.1f} after, on "
+         f"{os.cpu_count()} cores: the bytes are exact, the seconds are this machine's at that "
+         f"load (the probes run one after another, not interleaved)."),
     ])
     print(markdown)
     return {"markdown": markdown, "steps": steps,
