@@ -83,8 +83,8 @@ def test_train_returns_the_runs_figures_run_dir_and_metrics_rows(tmp_path):
     logging.getLogger("tq_plugin").warning("after the run")
     assert (out / "tq-train.log").stat().st_size == size
 
-    with pytest.raises(ConfigError, match=r"unknown config key 'recipe.learning_rate'\n"
-                                          r"  did you mean recipe.lr"):
+    with pytest.raises(ConfigError, match=r"unknown config key 'recipe.learning_rate': did you "
+                                          r"mean recipe.lr \(TRL's learning_rate\)\?$"):
         tq_plugin.train("grpo", {"recipe.learning_rate": 1e-4}, output_dir=tmp_path / "bad")
     assert not (tmp_path / "bad").exists()
     with pytest.raises(ConfigError, match=r"^recipe.num_steps: must be > 0, got -1$"):
