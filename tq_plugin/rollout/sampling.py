@@ -147,11 +147,16 @@ class RowProcessing:
 def seen_from_prompts(prompts: list[list[int]] | tuple, vocab: int,
                       device: torch.device | None = None) -> torch.Tensor:
     """``[B, vocab]`` bool: the ids each prompt holds (ids outside the vocabulary ignored)."""
-    seen = torch.zeros(len(prompts), vocab, dtype=torch.bool, device=device)
-    for i, p in enumerate(prompts):
-        ids = torch.tensor([t for t in p if 0 <= t < vocab], dtype=torch.long, device=device)
-        seen[i, ids] = True
-    return seen
+    if not len(prompts):
+        return torch.zeros(0, vocab, dtype=torch.bool, device=device)
+    # One padded [B, longest] index tensor (each prompt converted whole, no loop over tokens);
+    # padding and ids outside the vocabulary go to an extra column that is dropped.
+    ids = torch.nn.utils.rnn.pad_sequence(
+        [torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in prompts], batch_first=True,
+        padding_value=vocab).to(device)
+    ids = ids.masked_fill((ids < 0) | (ids > vocab), vocab)
+    seen = torch.zeros(len(prompts), vocab + 1, dtype=torch.bool, device=device)
+    return seen.scatter_(1, ids, True)[:, :vocab]
 
 
 __all__ = ["RowProcessing", "SamplingControls", "penalty_factor", "process_logits",

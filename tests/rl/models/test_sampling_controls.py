@@ -226,3 +226,18 @@ def test_the_native_engine_samples_what_the_trainer_scores_back(cached):
         got = lp[0, len(prompt):]
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, torch.tensor(comp.logprobs), rtol=0, atol=1e-5)
+
+
+def test_seen_from_prompts_marks_each_prompts_ids_and_ignores_ids_outside_the_vocabulary():
+    from tq_plugin.rollout.sampling import seen_from_prompts
+
+    prompts = [[3, 1, 3], [], [0, 9, -1, 12, 4], [7]]
+    seen = seen_from_prompts(prompts, 10)
+    expected = torch.zeros(4, 10, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        for t in p:
+            if 0 <= t < 10:
+                expected[i, t] = True
+    assert torch.equal(seen, expected)
+    assert seen_from_prompts([], 10).shape == (0, 10)
+    assert not seen_from_prompts([[], []], 5).any()

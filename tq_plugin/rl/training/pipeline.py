@@ -140,7 +140,10 @@ class DrawLoop:
             if unscorable.any():
                 rewards = torch.where(unscorable, torch.full_like(rewards, math.nan), rewards)
                 written[TOTAL_REWARD] = rewards
-        td = self.io.read(meta, [INPUT_IDS, TOKEN_MASK, SAMPLE_MASK])
+        # The lengths every draw reports need the ids and the mask; the row mask only the
+        # truncation mask rewrites.
+        td = self.io.read(meta, [INPUT_IDS, TOKEN_MASK,
+                                 *([SAMPLE_MASK] if rc.mask_truncated_completions else [])])
         mask = td[TOKEN_MASK] > 0
         truncated = (last_action_tokens(mask, td[INPUT_IDS]) != task.eos_token_id) \
             & mask.any(dim=1)
