@@ -104,3 +104,29 @@ def smollm2_dir(tmp_path_factory) -> Path:
     from tq_plugin.rl.models.gguf import convert_packaged
 
     return convert_packaged("smollm2", tmp_path_factory.mktemp("real_models") / "smollm2")
+
+
+@pytest.fixture
+def train_in_process(monkeypatch) -> Callable[..., list[dict]]:
+    """``train(tmp_path, config_name, *overrides)``: one ``tq-train --config-name <it>`` run
+    in this process through its real entry point (patched argv, the progress bar off, Hydra
+    cleared before and after), returning the run dir's metrics.csv rows."""
+    import csv
+    import sys
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    from tq_plugin import cli
+
+    def train(tmp_path: Path, config_name: str, *overrides: str) -> list[dict]:
+        monkeypatch.setattr(sys, "argv", [config_name, f"hydra.run.dir={tmp_path}",
+                                          "trainer.enable_progress_bar=false", *overrides])
+        GlobalHydra.instance().clear()  # a config another test composed
+        try:
+            cli.main(config_name=config_name)
+        finally:
+            GlobalHydra.instance().clear()
+        with open(tmp_path / "metrics.csv") as f:
+            return list(csv.DictReader(f))
+
+    return train

@@ -9,17 +9,14 @@ import csv
 import json
 import logging
 import math
-import sys
 
 import pytest
 import torch
-from hydra.core.global_hydra import GlobalHydra
 
 pytest.importorskip("datasets")
 pytest.importorskip("transformers")
 trl_rewards = pytest.importorskip("trl.rewards")
 
-from tq_plugin import cli
 from tq_plugin.rl.tasks.prompts import PromptTask
 from tq_plugin.rl.tasks.tiny_text import make_tiny_model, reverse_rows, train_tokenizer
 
@@ -101,27 +98,19 @@ def test_a_trl_style_user_function_gets_conversational_completions_and_the_colum
     assert _score(task, [gold, "x"], [1, 1]).tolist() == [1.0, 0.0]
 
 
-def _train(monkeypatch, tmp_path, tiny, *overrides: str) -> list[dict]:
+def _train(train_in_process, tmp_path, tiny, *overrides: str) -> list[dict]:
     """``tq-train --config-name grpo task=prompts`` on the tiny model; metrics.csv's rows."""
     _, model, data = tiny
-    monkeypatch.setattr(sys, "argv", [
-        "grpo", f"hydra.run.dir={tmp_path}", "task=prompts", f"task.path={data}",
-        "model=hf_causal_lm", f"model.pretrained_path={model}", "recipe.ppo_epochs=1",
-        "recipe.prompts_per_step=4", "trainer.enable_progress_bar=false", *overrides])
-    GlobalHydra.instance().clear()  # a config another test composed
-    try:
-        cli.main(config_name="grpo")
-    finally:
-        GlobalHydra.instance().clear()
-    with open(tmp_path / "metrics.csv") as f:
-        return list(csv.DictReader(f))
+    return train_in_process(tmp_path, "grpo", "task=prompts", f"task.path={data}",
+                            "model=hf_causal_lm", f"model.pretrained_path={model}",
+                            "recipe.ppo_epochs=1", "recipe.prompts_per_step=4", *overrides)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_trl_rewards_train_three_grpo_steps_with_each_functions_mean_logged(
-        monkeypatch, tmp_path, tiny):
-    rows = _train(monkeypatch, tmp_path, tiny, "recipe.num_steps=3",
+        train_in_process, tmp_path, tiny):
+    rows = _train(train_in_process, tmp_path, tiny, "recipe.num_steps=3",
                   "recipe.log_completions_every=1", "recipe.loss_type=grpo", "recipe.beta=0.04",
                   "+task.rewards.think._target_=trl.rewards.think_format_reward",
                   "+task.rewards.accuracy._target_=trl.rewards.accuracy_reward",
@@ -179,10 +168,10 @@ def test_reward_figures_and_sample_completions_from_a_reward_log(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_completions_no_reward_applies_to_train_as_unscorable(monkeypatch, tmp_path, tiny):
+def test_completions_no_reward_applies_to_train_as_unscorable(train_in_process, tmp_path, tiny):
     """accuracy_reward alone: the rows whose gold answer is not math are unscorable (NaN total
     reward, advantage 0), counted, and the run trains on."""
-    rows = _train(monkeypatch, tmp_path, tiny, "recipe.num_steps=2",
+    rows = _train(train_in_process, tmp_path, tiny, "recipe.num_steps=2",
                   "task.reward._target_=trl.rewards.accuracy_reward")
     assert sum(float(r["rewards/unscorable"]) for r in rows) > 0
     assert all(math.isfinite(float(r["loss"])) and math.isfinite(float(r["reward"])) for r in rows)

@@ -3,17 +3,13 @@
 
 from __future__ import annotations
 
-import csv
 import json
 import re
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
-from hydra.core.global_hydra import GlobalHydra
 
-from tq_plugin import cli
 from tq_plugin.config import ConfigError, RecipeConfig
 from tq_plugin.rl.training.optim import (
     build_optimizer,
@@ -94,22 +90,14 @@ def test_bad_optimiser_keys_name_the_key(key, value, rule):
         RecipeConfig(warmup_steps=2, warmup_ratio=0.1)
 
 
-def _run(monkeypatch, tmp_path, *overrides: str) -> list[dict]:
-    GlobalHydra.instance().clear()
-    monkeypatch.setattr(sys, "argv", [
-        "grpo", f"hydra.run.dir={tmp_path}", "recipe.num_steps=6", "recipe.ppo_epochs=1",
-        "recipe.prompts_per_step=4", "trainer.enable_progress_bar=false", *overrides])
-    try:
-        cli.main(config_name="grpo")
-    finally:
-        GlobalHydra.instance().clear()
-    with open(tmp_path / "metrics.csv") as f:
-        return list(csv.DictReader(f))
+def _run(train_in_process, tmp_path, *overrides: str) -> list[dict]:
+    return train_in_process(tmp_path, "grpo", "recipe.num_steps=6", "recipe.ppo_epochs=1",
+                            "recipe.prompts_per_step=4", *overrides)
 
 
 @pytest.mark.slow
-def test_run_writes_the_scheduled_lr_and_the_clipped_norm(monkeypatch, tmp_path):
-    rows = _run(monkeypatch, tmp_path, "recipe.lr=1e-3", "recipe.lr_scheduler=cosine",
+def test_run_writes_the_scheduled_lr_and_the_clipped_norm(train_in_process, tmp_path):
+    rows = _run(train_in_process, tmp_path, "recipe.lr=1e-3", "recipe.lr_scheduler=cosine",
                 "recipe.warmup_steps=2", "recipe.weight_decay=0.01", "recipe.max_grad_norm=0.5")
     lrs = [float(r["lr"]) for r in rows]
     expected = [1e-3 * lr_multiplier(k, schedule="cosine", total=6, warmup=2) for k in range(6)]
@@ -119,7 +107,7 @@ def test_run_writes_the_scheduled_lr_and_the_clipped_norm(monkeypatch, tmp_path)
     assert resolved["steps"] == 6
 
 
-def test_clip_bounds_the_norm_and_reports_it_before(monkeypatch):
+def test_clip_bounds_the_norm_and_reports_it_before():
     from tq_plugin.rl.training.module import RLModule
 
     model = torch.nn.Linear(8, 8)
@@ -136,9 +124,9 @@ def test_clip_bounds_the_norm_and_reports_it_before(monkeypatch):
     assert after == pytest.approx(0.5, rel=1e-4)
 
 
-def test_trainer_gradient_clip_val_is_refused_in_one_line(monkeypatch, tmp_path, capsys):
+def test_trainer_gradient_clip_val_is_refused_in_one_line(train_in_process, tmp_path, capsys):
     with pytest.raises(SystemExit):
-        _run(monkeypatch, tmp_path, "+trainer.gradient_clip_val=0.5")
+        _run(train_in_process, tmp_path, "+trainer.gradient_clip_val=0.5")
     err = capsys.readouterr().err
     assert "trainer.gradient_clip_val: the RL module clips its gradients itself; set " \
            "recipe.max_grad_norm instead" in err
