@@ -70,6 +70,7 @@ from tq_plugin.staging.records import (
     StagedCallRecord,
     StagedCallSnapshot,
     StageResult,
+    check_token_versions,
     staging_key,
 )
 from tq_plugin.staging.sink import TQTokenSink
@@ -81,6 +82,7 @@ from tq_plugin.staging.source import (
 )
 from tq_plugin.staging.store import (
     STAGING_FIELDS,
+    TOKEN_VERSIONS_FIELD,
     TQStagingStore,
     register_staging_partition,
     staging_partition_fields,
@@ -106,6 +108,7 @@ __all__ = [
     "STAGING_FIELDS",
     "STAGING_SCHEMA_VERSION",
     "STATUS_TAG",
+    "TOKEN_VERSIONS_FIELD",
     "CallRecord",
     "CaptureAdmission",
     "ChainPrefixCache",
@@ -138,6 +141,7 @@ __all__ = [
     "build_staging_delta",
     "build_token_sink",
     "call_record_for",
+    "check_token_versions",
     "compute_chain_hash",
     "compute_extras_digest",
     "compute_staging_digest",

@@ -17,7 +17,13 @@ from tq_plugin.staging.digest import (
     compute_staging_digest,
     hash_token_ids,
 )
-from tq_plugin.staging.records import CallRecord, CaptureAdmission, RolloutReceipt, StagedCallRecord
+from tq_plugin.staging.records import (
+    TOKEN_VERSIONS,
+    CallRecord,
+    CaptureAdmission,
+    RolloutReceipt,
+    StagedCallRecord,
+)
 from tq_plugin.staging.records import staging_key as default_staging_key
 
 
@@ -53,8 +59,13 @@ def make_staged_call_record(
     weight_version: int,
     prefix_token_ids: Sequence[int] | None = None,
     extras: Mapping[str, Any] | None = None,
+    token_versions: Sequence[int] | None = None,
 ) -> StagedCallRecord:
     """The record a worker stages for one completed call under ``admission``.
+
+    ``token_versions``: the weight version that produced each generated token (the per-token
+    ledger of in-flight weight updates), kept in ``extras["token_versions"]`` so the call's
+    digest covers it; ``None`` stages no ledger (the digest is the one it always was).
 
     ``prefix_token_ids`` is the resolved prefix (``resolve_admission_prefix``); the prompt
     must begin with it, or the call would stage tokens the gate never authorized.
@@ -76,6 +87,10 @@ def make_staged_call_record(
         prompt_ids, admission.prev_len, generated_ids, generated_logprobs
     )
     extras_dict = None if extras is None else dict(extras)
+    if token_versions is not None:
+        if extras_dict is not None and TOKEN_VERSIONS in extras_dict:
+            raise ValueError(f"{TOKEN_VERSIONS}: given both as an argument and in extras")
+        extras_dict = {**(extras_dict or {}), TOKEN_VERSIONS: list(token_versions)}
     fields: dict[str, Any] = {
         "rollout_id": admission.rollout_id,
         "model_call_id": admission.model_call_id,

@@ -43,6 +43,7 @@ from tq_plugin.staging.media import (
 from tq_plugin.staging.rebuild import LinearizedRow, ReceiptVerificationError, verify_and_linearize
 from tq_plugin.staging.records import StagedCallBaseSnapshot
 from tq_plugin.staging.source import FetchedStagedCall, StagingReadError, TQTokenSource
+from tq_plugin.staging.store import TOKEN_VERSIONS_FIELD
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,8 @@ class _Outcome:
     row: LinearizedRow | None = None
     media: list[StagedMediaTensors] | None = None
     reward: float = 0.0
+    versions: list[int] | None = None  # per row position: its token's version, -1 off generation
+    ledgered: bool = False  # a call of its chain staged a per-token version ledger
 
 
 def _preflight_status(receipt: Any) -> str | None:
@@ -329,6 +332,7 @@ class RolloutReassembler:
             # a moment ago and they never left this object: hash each call once, not twice.
             snapshots = [call.snapshot for call in calls]
             outcome.row = verify_and_linearize(receipt, snapshots, recompute_digests=False)
+            outcome.versions, outcome.ledgered = _row_versions(outcome.row, calls)
         except ReceiptVerificationError as exc:
             self._poison(outcome, exc.code, str(exc))
         except Exception as exc:  # noqa: BLE001 - a malformed receipt: a placeholder, no crash
@@ -386,12 +390,36 @@ class RolloutReassembler:
             INPUT_LENGTHS: lengths,
             SAMPLE_MASK: torch.tensor([1.0 if r else 0.0 for r in rows], dtype=torch.float32),
         }
+        if any(o.ledgered for o in outcomes):
+            # The per-token version ledger, aligned with the row (-1 off the generated tokens):
+            # written only when a call staged one, so ledger-free groups keep today's columns.
+            batch[TOKEN_VERSIONS_FIELD] = nested_from_lengths(torch.tensor(
+                [v for o in outcomes for v in (o.versions if o.row else [-1])],
+                dtype=torch.int64), lengths)
         if self.reward_field is not None:
             rewards = [o.reward if o.row else 0.0 for o in outcomes]
             batch[self.reward_field] = torch.tensor(rewards, dtype=torch.float32)
         if any(o.media for o in outcomes):
             batch.update(_media_batch(outcomes))
         return batch
+
+
+def _row_versions(row: LinearizedRow, calls: list[FetchedStagedCall]) -> tuple[list[int], bool]:
+    """The version of each position of a linearized row (-1 at carried prompt tokens; each
+    generated token's from its call's ledger, else the call's ``weight_version``), and whether
+    any call of its chain had a ledger."""
+    by_id = {call.snapshot.model_call_id: call for call in calls}
+    out: list[int] = []
+    ledgered = False
+    for call_id, carry, generated in row.link_spans:
+        call = by_id[call_id]
+        out += [-1] * carry
+        if call.token_versions is not None:
+            out += call.token_versions
+            ledgered = True
+        else:
+            out += [call.snapshot.weight_version] * generated
+    return out, ledgered
 
 
 def _origin(sample_id: str, receipt: Any, outcome: _Outcome) -> str:

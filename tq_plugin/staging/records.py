@@ -36,6 +36,39 @@ CaptureDisposition = Literal["staged", "capture_failed"]
 TerminalSelectionMethod = Literal["declared", "response_id", "content", "heuristic"]
 
 
+# The per-token version ledger: an extras key holding, for each generated token of the call
+# (each mask-1.0 position of its delta, in order), the weight version that produced it. Inside
+# extras it is covered by ``extras_digest`` and so by the call's digest; the sink stores it as
+# a jagged int64 column of its own (``TOKEN_VERSIONS_FIELD``), never in the metadata JSON, and
+# the source puts it back before the extras digest is checked. A call without it keeps the
+# digest it always had (NeMo Gym's byte for byte).
+TOKEN_VERSIONS = "token_versions"
+
+
+def check_token_versions(value: Any, generated: int) -> np.ndarray:
+    """``value`` (a call's ``extras["token_versions"]``) as an int64 array, once it is a list
+    of exact non-negative ints, one per generated token (``generated`` of them, at least one).
+    A ``ValueError`` / ``TypeError`` naming ``token_versions`` and the rule otherwise."""
+    if type(value) is not list:
+        raise TypeError(f"{TOKEN_VERSIONS} must be a list of ints, got {type(value).__name__}")
+    kinds = set(map(type, value))
+    if kinds - {int}:
+        bad = sorted(k.__name__ for k in kinds - {int})
+        raise TypeError(f"{TOKEN_VERSIONS} must hold ints only, got {', '.join(bad)}")
+    if generated < 1:
+        raise ValueError(f"{TOKEN_VERSIONS}: the call generated no token, so it has no ledger")
+    if len(value) != generated:
+        raise ValueError(f"{TOKEN_VERSIONS} has {len(value)} entries for {generated} generated "
+                         "tokens (one version per generated token)")
+    try:
+        versions = np.asarray(value, dtype=np.int64)
+    except OverflowError:
+        raise ValueError(f"{TOKEN_VERSIONS} holds a version outside the int64 range") from None
+    if versions.min() < 0:
+        raise ValueError(f"{TOKEN_VERSIONS} must be non-negative, got {int(versions.min())}")
+    return versions
+
+
 def _key_part(name: str, value: Any) -> str:
     """One id as a key component: UTF-8 text with ``%`` and ``/`` percent-escaped."""
     if type(value) is not str:
@@ -274,6 +307,12 @@ class StagedCallRecord(StagedCallBaseSnapshot):
             raise ValueError(f"extras: {exc}") from None
         if digest != self.extras_digest:
             raise ValueError("extras_digest does not match extras")
+        if self.extras is not None and TOKEN_VERSIONS in self.extras:
+            try:
+                check_token_versions(self.extras[TOKEN_VERSIONS],
+                                     self.token_mask_delta.count(1.0))
+            except TypeError as exc:  # a ValidationError naming the field, as above
+                raise ValueError(str(exc)) from None
         return self
 
     def to_base_snapshot(self) -> StagedCallBaseSnapshot:

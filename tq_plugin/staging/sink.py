@@ -38,8 +38,14 @@ from tq_plugin.staging.media import (
     metadata_checksum,
     validate_media_tensors,
 )
-from tq_plugin.staging.records import StageResult, _digest_fields, staging_key
-from tq_plugin.staging.store import _MODE_TO_CODE, TQStagingStore
+from tq_plugin.staging.records import (
+    TOKEN_VERSIONS,
+    StageResult,
+    _digest_fields,
+    check_token_versions,
+    staging_key,
+)
+from tq_plugin.staging.store import _MODE_TO_CODE, TOKEN_VERSIONS_FIELD, TQStagingStore
 
 logger = logging.getLogger(__name__)
 
@@ -110,15 +116,30 @@ def _token_ids_wire(raw: bytes) -> torch.Tensor:
     return torch.from_numpy(ids.reshape(1, -1))
 
 
+# Extras keys staged as columns of their own, never in the metadata JSON.
+_COLUMN_EXTRAS = (ROUTED_EXPERTS_FIELD, TOKEN_VERSIONS)
+_NO_LEDGER = torch.zeros(1, 0, dtype=torch.int64)
+
+
+def _ledger_column(extras: Mapping[str, Any] | None, mask_raw: bytes) -> torch.Tensor:
+    """The ``[1, G]`` int64 ledger row of a call's ``extras["token_versions"]`` (checked against
+    its ``G`` generated tokens, the 1.0 positions of the big-endian mask); ``[1, 0]`` without."""
+    if extras is None or TOKEN_VERSIONS not in extras:
+        return _NO_LEDGER
+    generated = int(np.count_nonzero(np.frombuffer(mask_raw, dtype=">f4") == 1.0))
+    return torch.from_numpy(check_token_versions(extras[TOKEN_VERSIONS], generated).reshape(1, -1))
+
+
 def extras_metadata_json(extras: Mapping[str, Any] | None) -> bytes:
-    """Canonical JSON of ``extras`` minus ``routed_experts`` (``null`` when extras is None).
+    """Canonical JSON of ``extras`` minus ``routed_experts`` and ``token_versions`` (staged as
+    columns; ``null`` when extras is None).
 
     Sorted keys, no whitespace, UTF-8, no NaN: ``1``, ``1.0``, ``true``, ``{}`` and ``null``
     all decode back to what was staged, so the extras digest re-verifies after a read.
     """
     if extras is None:
         return b"null"
-    metadata = {k: v for k, v in extras.items() if k != ROUTED_EXPERTS_FIELD}
+    metadata = {k: v for k, v in extras.items() if k not in _COLUMN_EXTRAS}
     try:
         text = json.dumps(
             metadata, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
@@ -264,6 +285,7 @@ class TQTokenSink:
             EMPTY_EXTRAS_DIGEST if extras is None else compute_extras_digest(extras)
         ):  # Route-free extras are cheap to hash; calls with routes are checked at use.
             raise ValueError("extras_digest does not match extras")
+        ledger = _ledger_column(extras, mask_raw)
         metadata = extras_metadata_json(extras)
         parent = record.parent_call_id
         scalars = torch.from_numpy(  # [10, 1]: one view per column, cut by one unbind
@@ -294,6 +316,7 @@ class TQTokenSink:
             "token_ids_delta": ids,
             "token_mask_delta": mask,
             "generation_logprobs_delta": logprobs,
+            TOKEN_VERSIONS_FIELD: ledger,
         }
         fields.update(
             zip(

@@ -52,6 +52,7 @@ from tq_plugin.staging.media import (
     media_from_row,
 )
 from tq_plugin.staging.records import (
+    TOKEN_VERSIONS,
     StagedCallBaseSnapshot,
     checked_snapshot,
     staging_key,
@@ -61,6 +62,7 @@ from tq_plugin.staging.store import (
     _CODE_TO_MODE,
     STAGING_FIELDS,
     TOKEN_IDS_DELTA_FIELD,
+    TOKEN_VERSIONS_FIELD,
     TQStagingStore,
 )
 
@@ -95,10 +97,12 @@ class RouteFragment:
     routes: torch.Tensor
     encoding: int
     extras_metadata_json: bytes
+    token_versions: tuple[int, ...] | None = None  # the call's ledger, when it has one
 
     def extras(self) -> dict[str, Any]:
         metadata = json.loads(self.extras_metadata_json.decode("utf-8"))
-        return {**(metadata or {}), ROUTED_EXPERTS_FIELD: self.routes.tolist()}
+        ledger = {} if self.token_versions is None else {TOKEN_VERSIONS: list(self.token_versions)}
+        return {**(metadata or {}), **ledger, ROUTED_EXPERTS_FIELD: self.routes.tolist()}
 
     def verify(self, extras_digest: str) -> None:
         if compute_extras_digest(self.extras()) != extras_digest:
@@ -111,9 +115,11 @@ class FetchedStagedCall:
 
     ``fragment`` is set only when route payloads were requested (direct mode); deferred
     finalization leaves route bytes in the store and carries only ``routed_len``.
-    ``extras`` is the row's metadata (extras minus routes); for a route-free call that is
-    its whole extras, verified against the snapshot's ``extras_digest`` at fetch (calls with
-    routes verify through ``RouteFragment.verify`` at the point of use).
+    ``extras`` is the row's metadata (extras minus routes, its ledger put back); for a
+    route-free call that is its whole extras, verified against the snapshot's
+    ``extras_digest`` at fetch (calls with routes verify through ``RouteFragment.verify`` at
+    the point of use). ``token_versions``: the call's per-token version ledger (one version
+    per generated token), ``None`` for a call staged without one.
     """
 
     staging_key: str
@@ -123,6 +129,7 @@ class FetchedStagedCall:
     extras: dict[str, Any] | None = None
     media_present: bool = False
     media_has_frames: bool = False
+    token_versions: list[int] | None = None
 
 
 def _jagged_values(value: torch.Tensor) -> torch.Tensor:
@@ -349,6 +356,16 @@ def _row_extras(batch: _Batch, i: int, *, verify_media: bool) -> dict[str, Any] 
     return value
 
 
+def _row_ledger(batch: _Batch, i: int, key: str) -> list[int] | None:
+    """Row i's version ledger as ints (None when it has none: an empty column row)."""
+    if TOKEN_VERSIONS_FIELD not in batch.td:
+        return None
+    row = batch.rows(TOKEN_VERSIONS_FIELD)[i]
+    if row.dtype != torch.int64:
+        raise TypeError(f"staged {TOKEN_VERSIONS_FIELD!r} of {key!r} must be int64, got {row.dtype}")
+    return row.reshape(-1).tolist() or None
+
+
 class StagingReadError(KeyError):
     """A staged read whose outcome is unknown: the transport failed or the store came back short.
 
@@ -471,8 +488,11 @@ class TQTokenSource:
         encoding = batch.ints(ROUTED_EXPERTS_ENCODING_FIELD)[i]
         if encoding not in _ROUTE_ENCODINGS:
             raise ValueError(f"unknown routed_experts_encoding {encoding} in staged row {key!r}")
-        fragment = self._route_fragment(batch, i, encoding) if with_routes else None
+        ledger = _row_ledger(batch, i, key)
+        fragment = self._route_fragment(batch, i, encoding, ledger) if with_routes else None
         extras = _row_extras(batch, i, verify_media=self.capture_media)
+        if ledger is not None:
+            extras = {**(extras or {}), TOKEN_VERSIONS: ledger}
         if encoding == ROUTE_ENCODING_NONE:
             _check_route_free_extras(extras, snapshot.extras_digest, key)
         return FetchedStagedCall(
@@ -483,9 +503,23 @@ class TQTokenSource:
             extras=extras,
             media_present=present,
             media_has_frames=has_frames,
+            token_versions=ledger,
         )
 
-    def _route_fragment(self, batch: _Batch, i: int, encoding: int) -> RouteFragment | None:
+    def fetch_token_versions(self, staging_keys: Sequence[str]) -> list[list[int] | None]:
+        """Each call's per-token version ledger (one weight version per generated token; None
+        for a call staged without one), in request order, verified: the ledger is part of the
+        call's extras, whose digest the call's staging digest covers (routed calls' extras
+        are checked here too)."""
+        out = []
+        for item in self.fetch_for_finalization(staging_keys, include_route_fragments=True):
+            if item.fragment is not None:
+                item.fragment.verify(item.snapshot.extras_digest)
+            out.append(item.token_versions)
+        return out
+
+    def _route_fragment(self, batch: _Batch, i: int, encoding: int,
+                        ledger: list[int] | None = None) -> RouteFragment | None:
         if encoding == ROUTE_ENCODING_NONE:
             return None
         if ROUTED_EXPERTS_FIELD not in batch.td:
@@ -494,6 +528,7 @@ class TQTokenSource:
             routes=batch.rows(ROUTED_EXPERTS_FIELD)[i],
             encoding=encoding,
             extras_metadata_json=batch.texts(ROUTED_EXTRAS_METADATA_FIELD)[i],
+            token_versions=None if ledger is None else tuple(ledger),
         )
 
     def fetch_media(self, items: Sequence[FetchedStagedCall]) -> list[StagedMediaTensors]:

@@ -38,6 +38,9 @@ PER_TOKEN_STAGING_FIELDS = [
     GENERATION_LOGPROBS_DELTA_FIELD,
 ]
 UTF8_FIELDS = ["rollout_id_utf8", "model_call_id_utf8", "parent_call_id_utf8"]
+# The per-token version ledger (``records.TOKEN_VERSIONS``): one int64 per generated token of
+# the call, empty for a call staged without one. Its digest cover is the call's extras digest.
+TOKEN_VERSIONS_FIELD = "token_versions"
 
 # The columns every staged row carries, in order (digest inputs, identity, lineage, routes).
 STAGING_FIELDS = [
@@ -63,9 +66,11 @@ STAGING_FIELDS = [
     ROUTED_EXTRAS_METADATA_FIELD,
     ROUTED_EXPERTS_ENCODING_FIELD,
     ROUTED_LEN_FIELD,
+    TOKEN_VERSIONS_FIELD,
 ]
 STAGING_JAGGED_FIELDS = [
     *PER_TOKEN_STAGING_FIELDS,
+    TOKEN_VERSIONS_FIELD,
     *UTF8_FIELDS,
     ROUTED_EXTRAS_METADATA_FIELD,
     ROUTED_EXPERTS_FIELD,
