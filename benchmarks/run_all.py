@@ -1,17 +1,26 @@
-"""Run every benchmark and write ``benchmarks/RESULTS.md`` (``make bench``).
+"""Run benchmarks and record each one's results (``make bench``).
 
-Each ``bench_*`` module exposes ``main() -> dict`` with a ``"markdown"`` entry. Figures depend on
-the machine and on what else it is doing: re-run on an idle machine before comparing numbers.
+Each ``bench_*`` module exposes ``main() -> dict`` with a ``"markdown"`` entry (its section of
+``RESULTS.md``) and a ``"key_figures"`` entry: ``{name: figure}``, each figure a string exactly as
+the section prints it (the README and docs headline tables cite them, ``benchmarks/headline.py``).
+``python -m benchmarks.run_all [bench ...]`` (default: all) writes one file per bench measured,
+``benchmarks/results/<bench>.json`` (command, date, machine, load average, markdown, figures),
+then renders ``RESULTS.md`` and the headline tables from every results file
+(``benchmarks/render.py``): a partial run rewrites the sections it measured and no other.
+Figures depend on the machine and on what else it is doing: re-run on an idle machine before
+comparing numbers.
 """
 
 from __future__ import annotations
 
 import datetime
 import importlib
-import pathlib
-import re
+import json
+import os
+import shlex
 import sys
 
+from benchmarks import render
 from benchmarks._common import machine
 
 MODULES = ["bench_data_plane", "bench_backends", "bench_packing", "bench_lightning", "bench_staging",
@@ -20,64 +29,63 @@ MODULES = ["bench_data_plane", "bench_backends", "bench_packing", "bench_lightni
            "bench_real_extra",
            "bench_real_model", "bench_lora",
            "soak", "reliability", "async_resume"]
-HERE = pathlib.Path(__file__).parent
+def key_figures(name: str, result: dict, markdown: str, previous: dict | None) -> dict[str, str]:
+    """The bench's ``key_figures``; a bench that returns none yet keeps each earlier figure whose
+    text its new section still prints (a figure it no longer prints is dropped, and rendering
+    then fails naming it where a headline row cites it)."""
+    if "key_figures" in result:
+        figures = {str(k): str(v) for k, v in result["key_figures"].items()}
+        missing = {k: v for k, v in figures.items() if v not in markdown}
+        if missing:
+            raise ValueError(f"{name}: key figures not printed in its section: {missing}")
+        return figures
+    old = (previous or {}).get("figures", {})
+    kept = {k: v for k, v in old.items() if v in markdown}
+    for k in sorted(set(old) - set(kept)):
+        print(f"warning: {name}: figure {k!r} ({old[k]!r}) is not in the new section; dropped "
+              "(return it from main() under 'key_figures')", file=sys.stderr)
+    return kept
 
 
-_MEASURED = re.compile(r"^_Measured [^\n]*$", re.MULTILINE)
-
-
-def committed_sections(results: pathlib.Path) -> list[str]:
-    """The sections of an existing ``RESULTS.md`` (each ends with its ``_Measured ..._`` line),
-    so re-measuring one module on a fresh clone keeps every other module's figures."""
-    if not results.exists():
-        return []
-    text, out = results.read_text(), []
-    start = text.find("\n#", 1) + 1  # the first heading after the title and the preamble
-    for m in _MEASURED.finditer(text):
-        out.append(text[start:m.end()].strip())
-        start = m.end()
-    return [section for section in out if section]
-
-
-def _heading(section: str) -> str:
-    return section.strip().splitlines()[0].strip()
+def record(name: str, result: dict, *, load: tuple[float, float, float] | None,
+           argv: list[str]) -> dict:
+    """The results file of one bench run."""
+    markdown = result["markdown"].strip()
+    path = render.RESULTS_DIR / f"{name}.json"
+    previous = json.loads(path.read_text()) if path.exists() else None
+    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
+           if k.startswith(("TQ_BENCH", "TQ_PARITY"))]
+    return {
+        "bench": name,
+        "command": " ".join([*env, "python -m benchmarks.run_all", *argv]),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine(),
+        "load_average": [round(x, 2) for x in load] if load else None,
+        "markdown": markdown,
+        "figures": key_figures(name, result, markdown, previous),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run the named benchmarks (default: all), keep each section in ``benchmarks/out/``, and
-    rewrite ``RESULTS.md``: each measured section replaces the one with its heading (sections
-    of other modules are kept as they were), new ones are added in ``MODULES`` order."""
-    wanted = (argv if argv is not None else sys.argv[1:]) or MODULES
-    out_dir = HERE / "out"
-    out_dir.mkdir(exist_ok=True)
+    """Run the named benchmarks (default: all), write each one's ``results/<bench>.json`` as it
+    finishes, then render ``RESULTS.md`` and the headline tables from every results file."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    wanted = argv or MODULES
+    unknown = [n for n in wanted if n not in MODULES]
+    if unknown:
+        raise SystemExit(f"unknown bench {unknown}; one of {MODULES}")
+    render.RESULTS_DIR.mkdir(exist_ok=True)
     for name in wanted:
         module = importlib.import_module(f"benchmarks.{name}")
         print(f"== {name}", flush=True)
-        section = module.main()["markdown"]
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        (out_dir / f"{name}.md").write_text(f"{section}\n\n_Measured {stamp}._\n")
-    sections = committed_sections(HERE / "RESULTS.md")
-    for name in MODULES:
-        path = out_dir / f"{name}.md"
-        if not path.exists():
-            continue
-        fresh = path.read_text().rstrip()
-        same = [i for i, old in enumerate(sections) if _heading(old) == _heading(fresh)]
-        if same:
-            sections[same[0]] = fresh
-        else:
-            sections.append(fresh)
-    text = "\n\n".join(
-        [
-            "# Benchmark results",
-            f"Written by `make bench` on: {machine()}.",
-            ("Every figure is the median (min–max) of repeated runs unless it says otherwise; "
-            "every ratio compares figures taken in the same run, interleaved."),
-            *sections,
-        ]
-    )
-    (HERE / "RESULTS.md").write_text(text + "\n")
-    print(f"wrote {HERE / 'RESULTS.md'}")
+        load = os.getloadavg() if hasattr(os, "getloadavg") else None
+        result = module.main()
+        rec = record(name, result, load=load, argv=[name] if argv else [])
+        path = render.RESULTS_DIR / f"{name}.json"
+        path.write_text(json.dumps(rec, indent=1, ensure_ascii=False) + "\n")
+        print(f"wrote {path}", flush=True)
+    for path in render.write_all():
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ Schema resets differ by backend, and the model says so: the embedded store (and 
 around it) forgets a field's dtype and shape when the field's last row is cleared; the
 TransferQueue adapter keeps one schema per partition until the partition is empty.
 
-Profiles: ``make test`` runs the ``ci`` profile; ``benchmarks/bench_state_machine.py`` runs the
+Profiles: ``make test`` runs the ``ci`` profile; ``benchmarks/reliability.py`` runs the
 ``long`` one and records how many examples and rules it exercised.
 """
 
@@ -50,7 +50,7 @@ TASK = "train"
 ERRORS = (TypeError, ValueError, KeyError)
 
 # Examples per backend and rules per example. The distributed backends pay a round trip per call,
-# so they run fewer; the long profile is for benchmarks/bench_state_machine.py.
+# so they run fewer; the long profile is for benchmarks/reliability.py.
 PROFILES = {
     "ci": {"local": (150, 30), "ray": (30, 20), "transferqueue": (15, 16)},
     "long": {"local": (2000, 50), "ray": (200, 30), "transferqueue": (60, 25)},
