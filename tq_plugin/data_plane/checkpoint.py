@@ -176,8 +176,8 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
+def _write_synced(path: Path, data: bytes, mode: int = 0o666) -> None:
+    with open(os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, mode), "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -204,13 +204,15 @@ def save_store(
     path: str | os.PathLike[str],
     *,
     metadata: Mapping[str, Any] | None = None,
+    private: bool = False,
 ) -> None:
     """Write ``store`` to the directory ``path``, replacing an existing checkpoint atomically.
 
     The store copies itself (``snapshot_partitions``: under its lock, a consistent cut with no
     put half in it), then the copy is written without holding the lock. ``metadata`` (JSON primitives) is kept in the manifest and handed
     back by ``load_into``. A tag or metadata value that JSON cannot carry faithfully raises
-    before anything is written. One writer per ``path`` at a time.
+    before anything is written. One writer per ``path`` at a time. ``private``: the directory
+    is the owner's only (0700, files 0600; the store's journal snapshots).
     """
     meta = dict(metadata or {})
     check_tag_value(meta, "save: metadata")
@@ -228,18 +230,19 @@ def save_store(
     for stale in _siblings(target, "tmp"):  # left by a crashed save
         shutil.rmtree(stale, ignore_errors=True)
     tmp = target.with_name(f"{target.name}.tmp-{uuid.uuid4().hex}")
-    tmp.mkdir()
+    mode = 0o600 if private else 0o666  # 0o666: the umask decides, as open() does
+    tmp.mkdir(mode=0o700 if private else 0o777)
     try:
         entries = []
         for index, snap in enumerate(snaps):
             blob = _st_save(snap.tensors, metadata={"partition_id": snap.entry["partition_id"]})
-            _write_synced(tmp / _file_of(index), blob)
+            _write_synced(tmp / _file_of(index), blob, mode)
             entries.append({**snap.entry, "sha256": _sha256(blob)})
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "partitions": entries,
                     "metadata": meta}
         text = json.dumps(manifest, sort_keys=True, allow_nan=False).encode()
-        _write_synced(tmp / MANIFEST, text)
-        _write_synced(tmp / MANIFEST_DIGEST, _sha256(text).encode())
+        _write_synced(tmp / MANIFEST, text, mode)
+        _write_synced(tmp / MANIFEST_DIGEST, _sha256(text).encode(), mode)
         _fsync_dir(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

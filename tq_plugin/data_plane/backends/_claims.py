@@ -25,6 +25,9 @@ class TaskCursors:
     _lock: Any
     _require_open: Any
     _partition: Any
+    _journal: Any
+    _log: Any
+    _durable: Any
     get_samples: Any
 
     def claim_meta(
@@ -69,10 +72,15 @@ class TaskCursors:
                         f"{task_name!r} within {timeout_s}s"
                     )
                 self._produced.wait(left)
+            if ids and self._journal is not None:
+                self._journal.check_usable()
             part.consumed[task_name].update(ids)
             part.drop_pending(task_name, ids)
+            # A claim is a mutation: journaled as the rows it handed out (replayed as such).
+            ticket = self._log({"o": "claim", "p": partition_id, "c": {task_name: ids}}) if ids else None
             lengths = self._column_ints(part, INPUT_LENGTHS, ids)
             tags = [copy_tag(part.tags.get(s, {})) for s in ids]
+        self._durable(ticket)
         return KVBatchMeta(
             partition_id=partition_id,
             task_name=task_name,

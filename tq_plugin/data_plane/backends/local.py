@@ -9,6 +9,7 @@ puts and reads never see a half-written row.
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from collections.abc import Mapping, Sequence
@@ -21,6 +22,14 @@ from tensordict import TensorDict
 from tq_plugin.data_plane.backends._buffer import RowBuffer
 from tq_plugin.data_plane.backends._claims import TaskCursors
 from tq_plugin.data_plane.backends._columns import POOL
+from tq_plugin.data_plane.backends._journal import (
+    Journal,
+    JournalError,
+    checked_tags_for_journal,
+    decode_fields,
+    encode_fields,
+    quiet,
+)
 from tq_plugin.data_plane.backends._partition import (
     DEFAULT_CAPACITY_FRACTION,
     PUT_MODES,
@@ -61,6 +70,16 @@ class LocalDataPlane(WritePath, RowBuffer, TaskCursors):
     ``capacity_bytes`` bounds the live bytes the store holds (default: 40% of the memory
     available at construction); a put that would pass it raises ``CapacityError`` and writes
     nothing, instead of the process being killed for memory.
+
+    ``journal_dir`` makes the store durable by acknowledgement: every register, put, clear and
+    claim is appended to a journal there before the call returns, and a store opened on a
+    directory that holds one first recovers every acknowledged call, byte-exact (``_journal``
+    describes the format, the torn-tail rule and compaction). ``journal_sync``: ``"always"``
+    (an fsync before each acknowledgement), ``"batch"`` (group commit: the call returns once an
+    fsync covers its record, shared with concurrent writers) or ``"off"`` (written, not
+    flushed: survives the process being killed, not the machine going down). The journal is
+    compacted into a snapshot once ``journal_compact_bytes`` or ``journal_compact_records``
+    have been appended since the last one, so recovery time stays bounded.
     """
 
     # put_samples refuses jagged per-token rows whose lengths differ from the rows' stored
@@ -68,7 +87,15 @@ class LocalDataPlane(WritePath, RowBuffer, TaskCursors):
     checks_token_alignment = True
     supports_put_mode = True  # put_samples(mode="insert" | "update" | "upsert")
 
-    def __init__(self, *, capacity_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        capacity_bytes: int | None = None,
+        journal_dir: str | os.PathLike[str] | None = None,
+        journal_sync: str = "off",
+        journal_compact_bytes: int = 256 << 20,
+        journal_compact_records: int = 20_000,
+    ) -> None:
         if capacity_bytes is None:
             capacity_bytes = int(DEFAULT_CAPACITY_FRACTION * available_memory_bytes())
         elif isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
@@ -83,6 +110,81 @@ class LocalDataPlane(WritePath, RowBuffer, TaskCursors):
         self._closed = False
         self._live_bytes = 0
         self._peak_bytes = 0
+        self._journal: Journal | None = None
+        if journal_dir is not None:
+            journal = Journal(journal_dir, journal_sync, compact_bytes=journal_compact_bytes,
+                              compact_records=journal_compact_records)
+            try:
+                journal.recover(self, self._replay_record)
+            except BaseException:
+                journal.close()
+                self.close()
+                raise
+            self._journal = journal
+            if journal.due:
+                self.compact_journal()
+        elif journal_sync not in ("off", "batch", "always"):
+            raise ValueError(f"LocalDataPlane: journal_sync must be one of ('off', 'batch', "
+                             f"'always'), got {journal_sync!r}")
+
+    # ------------------------------------------------------------------ journal
+    @property
+    def journal(self) -> Journal | None:
+        """The store's journal (``journal_dir``), or None."""
+        return self._journal
+
+    def _log(self, header: dict[str, Any], buffers: Sequence[Any] = ()) -> int | None:
+        """Append a mutation's record (under the lock, after it succeeded in memory)."""
+        journal = self._journal
+        return None if journal is None else journal.append(header, buffers)
+
+    def _durable(self, ticket: int | None) -> None:
+        """Wait until the record ``ticket`` names is as durable as ``journal_sync`` promises
+        (outside the lock), then compact the journal when it is due."""
+        if ticket is None:
+            return
+        journal = self._journal
+        if journal is None:
+            return
+        journal.commit(ticket)
+        if journal.due:
+            self.compact_journal()
+
+    def compact_journal(self) -> bool:
+        """Fold the journal into a snapshot of the store now (False when one is already being
+        written); recovery then replays only what comes after it."""
+        journal = self._journal
+        if journal is None:
+            raise ValueError("compact_journal: this store has no journal_dir")
+        with self._lock:
+            self._require_open()
+            seq = journal.cut()
+            if seq is None:
+                return False
+            try:
+                snaps = self.snapshot_partitions()
+            except BaseException:
+                journal.write_snapshot_failed()
+                raise
+        journal.write_snapshot(snaps, seq)
+        return True
+
+    def _replay_record(self, header: dict[str, Any], payload: memoryview) -> None:
+        """Apply one journal record through the public methods (journaling is off meanwhile)."""
+        op, pid = header.get("o"), header.get("p")
+        if op == "put":
+            fields = decode_fields(header["f"], payload) if header["f"] else None
+            self.put_samples(partition_id=pid, sample_ids=header["i"], fields=fields,
+                             tags=header["t"], mode=header["m"])
+        elif op == "reg":
+            self.register_partition(pid, header["f"], header["n"], header["c"], header["g"],
+                                    header["e"] or None, jagged_fields=header["j"])
+        elif op == "clr":
+            quiet(lambda: self.clear_samples(partition_id=pid, sample_ids=header["i"]))
+        elif op == "claim":
+            self.restore_claims(pid, header["c"])
+        else:
+            raise JournalError(f"a journal record has an unknown operation {op!r}")
 
     # ------------------------------------------------------------------ lifecycle
     def _require_open(self) -> None:
@@ -108,6 +210,9 @@ class LocalDataPlane(WritePath, RowBuffer, TaskCursors):
             self._live_bytes = 0
             self._closed = True
             self._produced.notify_all()  # blocked claims wake up and raise
+            journal, self._journal = self._journal, None
+        if journal is not None:
+            journal.close()
         POOL.clear()  # nothing waits for a later store call to hand freed maps back
 
     @property
@@ -150,6 +255,8 @@ class LocalDataPlane(WritePath, RowBuffer, TaskCursors):
         vocab = checked_enums(enums, where)
         with self._lock:
             self._require_open()
+            if self._journal is not None:
+                self._journal.check_usable()
             part = self._partitions.get(partition_id)
             if part is not None:
                 self._flush(part)
@@ -199,6 +306,9 @@ class LocalDataPlane(WritePath, RowBuffer, TaskCursors):
                     part.consumed[task] = set()
                     order = sorted(part.slot_of, key=lambda s: int(part.arrival[part.slot_of[s]]))
                     part.pending[task] = dict.fromkeys(order)
+            ticket = self._log({"o": "reg", "p": partition_id, "f": names, "n": num_samples,
+                                "c": tasks, "g": grpo_group_size, "e": vocab, "j": jagged})
+        self._durable(ticket)
 
     # ------------------------------------------------------------------ writes
     @uniform_call
@@ -226,6 +336,18 @@ class LocalDataPlane(WritePath, RowBuffer, TaskCursors):
         n = len(ids)
         tag_rows = checked_tags(tags, n, where)
         items = field_items(fields, n)
+        journal, encoded = self._journal, None
+        if journal is not None and n:
+            journal.check_usable()
+            checked_tags_for_journal(tag_rows)
+            try:
+                encoded = encode_fields(items)
+            except JournalError:
+                raise
+            except (TypeError, ValueError, RuntimeError, AttributeError, IndexError):
+                # malformed: the put's own checks below name the problem
+                encoded = None
+        ticket = None
         with self._lock:
             self._require_open()
             part = self._partition(partition_id, flush=False)
@@ -242,6 +364,13 @@ class LocalDataPlane(WritePath, RowBuffer, TaskCursors):
                 prepared = [prepare(part, name, value, n) for name, value in items]
                 if n:
                     self._apply(part, ids, prepared, tag_rows, mode)
+            if journal is not None and n:
+                if encoded is None:  # the put passed the checks its encoding failed: never
+                    journal.failed = JournalError("a put the journal could not encode landed")
+                    journal.check_usable()
+                ticket = self._log({"o": "put", "p": partition_id, "i": ids, "m": mode,
+                                    "t": tag_rows, "f": encoded[0]}, encoded[1])
+        self._durable(ticket)
         return KVBatchMeta.trusted(  # every part checked above
             partition_id=partition_id,
             task_name=None,
@@ -350,54 +479,62 @@ class LocalDataPlane(WritePath, RowBuffer, TaskCursors):
         ids = None if sample_ids is None else str_list(sample_ids, "clear_samples", "sample_ids", unique=False)
         with self._lock:
             self._require_open()
-            part = self._partitions.get(partition_id)
-            if ids is None:
-                if part is None or not part.slot_of:
-                    warnings.warn(
-                        f"clear_samples(partition_id={partition_id!r}) found nothing to clear",
-                        RuntimeWarning,
-                        stacklevel=3,  # the caller of uniform_call's wrapper
-                    )
-                if part is not None:
-                    self._live_bytes -= part.live_bytes + sum(r[4] for r in part.buffered)
-                    del self._partitions[partition_id]
-                    for col in part.columns.values():
-                        col.release()  # its buffers go to the pool, for the next put to reuse
-                return
-            if part is None:
-                return
-            if part.buffered:
-                self._flush(part)
-            if (part.slot_of and len(ids) >= len(part.slot_of)
-                    and part.slot_of.keys() <= set(ids)):  # every row goes (a step's clear)
-                part.slot_of.clear()
-                part.tags.clear()
-                for task in part.consumed:
-                    part.consumed[task] = set()
-                    part.pending[task] = {}
-                    part.pending_dead[task] = 0
-                part.epoch += 1
-                self._empty_out(part)
-                return
-            pop = part.slot_of.pop
-            slots = [slot for slot in (pop(s, None) for s in ids) if slot is not None]
-            if not slots:
-                return
-            if part.tags:
-                for s in ids:
-                    part.tags.pop(s, None)
-            for task, claimed in part.consumed.items():
-                if claimed:
-                    claimed.difference_update(ids)
-                part.drop_pending(task, ids)
-            part.epoch += 1  # columns may empty out (and then change kind): plans lapse
-            if not part.slot_of:
-                self._empty_out(part)
-                return
-            part.free_slots.extend(slots)
-            index = np.array(slots, dtype=np.int64)
-            for col in part.columns.values():
-                self._live_bytes += col.drop(index)
+            if self._journal is not None:
+                self._journal.check_usable()
+            self._clear(partition_id, ids)
+            ticket = self._log({"o": "clr", "p": partition_id, "i": ids})
+        self._durable(ticket)
+
+    def _clear(self, partition_id: str, ids: list[str] | None) -> None:
+        """``clear_samples``' work, under the lock."""
+        part = self._partitions.get(partition_id)
+        if ids is None:
+            if part is None or not part.slot_of:
+                warnings.warn(
+                    f"clear_samples(partition_id={partition_id!r}) found nothing to clear",
+                    RuntimeWarning,
+                    stacklevel=4,  # the caller of uniform_call's wrapper
+                )
+            if part is not None:
+                self._live_bytes -= part.live_bytes + sum(r[4] for r in part.buffered)
+                del self._partitions[partition_id]
+                for col in part.columns.values():
+                    col.release()  # its buffers go to the pool, for the next put to reuse
+            return
+        if part is None:
+            return
+        if part.buffered:
+            self._flush(part)
+        if (part.slot_of and len(ids) >= len(part.slot_of)
+                and part.slot_of.keys() <= set(ids)):  # every row goes (a step's clear)
+            part.slot_of.clear()
+            part.tags.clear()
+            for task in part.consumed:
+                part.consumed[task] = set()
+                part.pending[task] = {}
+                part.pending_dead[task] = 0
+            part.epoch += 1
+            self._empty_out(part)
+            return
+        pop = part.slot_of.pop
+        slots = [slot for slot in (pop(s, None) for s in ids) if slot is not None]
+        if not slots:
+            return
+        if part.tags:
+            for s in ids:
+                part.tags.pop(s, None)
+        for task, claimed in part.consumed.items():
+            if claimed:
+                claimed.difference_update(ids)
+            part.drop_pending(task, ids)
+        part.epoch += 1  # columns may empty out (and then change kind): plans lapse
+        if not part.slot_of:
+            self._empty_out(part)
+            return
+        part.free_slots.extend(slots)
+        index = np.array(slots, dtype=np.int64)
+        for col in part.columns.values():
+            self._live_bytes += col.drop(index)
 
     def _empty_out(self, part: Partition) -> None:
         """The partition holds no row any more: free its columns, start its slots afresh."""
@@ -475,10 +612,15 @@ class LocalDataPlane(WritePath, RowBuffer, TaskCursors):
         the claim API cannot name the rows it hands out)."""
         with self._lock:
             part = self._partition(partition_id)
+            if self._journal is not None:
+                self._journal.check_usable()
             for task, ids in claimed.items():
                 part.consumed.setdefault(task, set()).update(ids)
                 pending = part.pending.get(task)
                 if pending is not None:
                     for sid in ids:
                         pending.pop(sid, None)
+            ticket = self._log({"o": "claim", "p": partition_id,
+                                "c": {task: list(ids) for task, ids in claimed.items()}})
+        self._durable(ticket)
 
