@@ -54,6 +54,7 @@ from tq_plugin.data_plane.backends.ray_columns import (
     stage_block,
     staged_blocks,
 )
+from tq_plugin.data_plane.backends.ray_sharded import StorageUnits, checked_units
 from tq_plugin.data_plane.calls import uniform_call
 from tq_plugin.data_plane.checkpoint import Restored, load_into
 from tq_plugin.data_plane.client import DataPlaneClosedError, FieldsLike
@@ -188,6 +189,9 @@ class RayDataPlane:
     ``ray.init`` options, e.g. ``{"num_cpus": 2}``. A cluster that answers callers without
     the token is refused unless ``allow_unauthenticated`` (``start_ray_on_loopback``). A pickled client (a Ray task argument, a DDP rank) re-attaches to the
     same store by name.
+
+    ``num_storage_units=S > 1`` shards the bytes: the actor keeps the metadata and claims, and
+    ``S`` storage-unit actors hold the blocks of the puts hashed to them (``ray_sharded``).
     """
 
     shared = True  # rows are visible to every process of the Ray cluster
@@ -204,8 +208,10 @@ class RayDataPlane:
         ray_init: Mapping[str, Any] | None = None,
         op_timeout_s: float = 300.0,
         allow_unauthenticated: bool = False,
+        num_storage_units: int = 1,
         _create: bool = True,
     ) -> None:
+        units = checked_units(num_storage_units)  # before anything starts
         ray = import_ray()
         self.op_timeout_s = float(op_timeout_s)
         self.allow_unauthenticated = bool(allow_unauthenticated)
@@ -234,6 +240,9 @@ class RayDataPlane:
         self.namespace = namespace
         self._owner = bool(ray.get(self._actor.open.remote(store, create=_create),
                                    timeout=self.op_timeout_s))
+        self.num_storage_units = units
+        self.storage_units = (StorageUnits(actor_name, namespace, units, create=_create,
+                                           op_timeout_s=self.op_timeout_s) if units > 1 else None)
         self._closed = False
 
     @classmethod
@@ -299,9 +308,15 @@ class RayDataPlane:
         """``LocalDataPlane.put_samples`` semantics; ``options`` (e.g. ``mode``) pass through."""
         return self._call(
             "put_samples", sample_ids=_listed(sample_ids), partition_id=partition_id,
-            fields=encode_fields(fields), tags=None if tags is None else [dict(t) for t in tags],
+            fields=self._encode(sample_ids, fields),
+            tags=None if tags is None else [dict(t) for t in tags],
             **options,
         )
+
+    def _encode(self, sample_ids: Any, fields: FieldsLike | None) -> Any:
+        """A put's payload for the actor; with storage units, its large blocks staged there."""
+        payload = encode_fields(fields)
+        return payload if self.storage_units is None else self.storage_units.stage(sample_ids, payload)
 
     @uniform_call
     def get_samples(
@@ -409,14 +424,15 @@ class RayDataPlane:
         # name, reaching this cluster when that process does not run Ray yet.
         address = gcs_address()
         return (_attach, (self.store, self.actor_name, self.namespace, address, self.op_timeout_s,
-                          self.allow_unauthenticated))
+                          self.allow_unauthenticated, self.num_storage_units))
 
 
 def _attach(store: str, actor_name: str, namespace: str, address: str | None = None,
-            op_timeout_s: float = 300.0, allow_unauthenticated: bool = False) -> RayDataPlane:
+            op_timeout_s: float = 300.0, allow_unauthenticated: bool = False,
+            num_storage_units: int = 1) -> RayDataPlane:
     return RayDataPlane(store, actor_name=actor_name, namespace=namespace, address=address,
                         op_timeout_s=op_timeout_s, allow_unauthenticated=allow_unauthenticated,
-                        _create=False)
+                        num_storage_units=num_storage_units, _create=False)
 
 
 __all__ = ["INLINE_BYTES", "RayDataPlane", "UnauthenticatedClusterError", "start_ray_on_loopback"]

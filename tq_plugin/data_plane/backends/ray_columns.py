@@ -16,8 +16,9 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -93,6 +94,29 @@ def encode_fields(fields: FieldsLike | None) -> Any:
     return ("enc", batch, out)
 
 
+class StagedBlock(NamedTuple):
+    """A put's field block a storage unit (``ray_sharded``) already holds in Ray's object store,
+    in place of its bytes: the store checks the put against its shape and dtype alone."""
+
+    ref: Any  # the ObjectRef the storage unit owns
+    shape: tuple[int, ...]
+
+
+# Storage address of a decoded stand-in (``_stand_in``) -> the ObjectRef holding its bytes; an
+# entry lives as long as the stand-in tensor (a weakref finalizer drops it).
+_STAGED_REFS: dict[int, Any] = {}
+
+
+def _stand_in(block: StagedBlock, dtype: str) -> torch.Tensor:
+    """A tensor of ``block``'s shape and dtype over one element (stride 0, no bytes): validation
+    reads shapes and dtypes, and ``stage_block`` maps it (or a view of it) back to the ref."""
+    t = torch.zeros((), dtype=getattr(torch, dtype)).expand(*block.shape)
+    key = t.untyped_storage().data_ptr()
+    _STAGED_REFS[key] = block.ref
+    weakref.finalize(t, _STAGED_REFS.pop, key, None)
+    return t
+
+
 def decode_fields(payload: Any) -> FieldsLike | None:
     if payload is None:
         return None
@@ -101,7 +125,7 @@ def decode_fields(payload: Any) -> FieldsLike | None:
     _, batch, items = payload
     fields: dict[str, torch.Tensor] = {}
     for name, kind, dtype, data, offsets in items:
-        t = as_torch(data, dtype)
+        t = _stand_in(data, dtype) if isinstance(data, StagedBlock) else as_torch(data, dtype)
         fields[name] = (
             t if kind == "dense"
             else torch.nested.nested_tensor_from_jagged(t, torch.from_numpy(np.asarray(offsets)))
@@ -284,7 +308,12 @@ def staged_blocks(staged: dict[int, tuple[Any, int, int]]) -> Iterator[None]:
 
 
 def stage_block(block: torch.Tensor) -> tuple[Any, int, int]:
-    """``(held, elements, bytes)`` for a block: an inline copy, or a Ray object the caller owns."""
+    """``(held, elements, bytes)`` for a block: an inline copy, or a Ray object the caller owns
+    (a block a storage unit staged already: that unit's object, nothing copied)."""
+    if _STAGED_REFS:
+        ref = _STAGED_REFS.get(block.untyped_storage().data_ptr())
+        if ref is not None:
+            return ref, int(block.shape[0]), block.numel() * block.element_size()
     arr = as_numpy(block.contiguous())
     # Keep nothing that aliases the caller's (argument) buffers: copy small blocks, put big ones.
     held = arr.copy() if arr.nbytes < INLINE_BYTES else import_ray().put(arr)
