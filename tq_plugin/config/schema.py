@@ -63,12 +63,17 @@ class RayBackendConfig:
     # Passed to ray.init when Ray is not running yet.
     ray_init: dict[str, Any] = field(default_factory=lambda: {"num_cpus": 2,
                                                               "include_dashboard": False})
+    # Storage-unit actors holding the bytes beside the one actor that keeps metadata and claims
+    # (docs/scale.md); 1 is the single store actor.
+    num_storage_units: int = 1
 
     def __post_init__(self) -> None:
         for key in ("store", "actor_name", "namespace"):
             if not getattr(self, key):
                 _fail(f"tq.backend.{key}", "must be a non-empty string")
         _positive("tq.backend.op_timeout_s", self.op_timeout_s)
+        if self.num_storage_units < 1:
+            _fail("tq.backend.num_storage_units", f"must be >= 1, got {self.num_storage_units}")
 
 
 @dataclass
