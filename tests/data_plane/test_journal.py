@@ -78,6 +78,9 @@ def _ops(rng: np.random.Generator):
                                             "b": torch.arange(6, dtype=torch.int16).reshape(2, 3)})
     yield lambda dp: dp.restore_claims("p", {"train": ["one3"], "other": ["s2_0"]})
     yield lambda dp: dp.put_samples(partition_id="p", sample_ids=["meta_only"], tags=[{"t": 1}])
+    yield lambda dp: dp.put_samples(partition_id="p", sample_ids=["empty"],  # no bytes at all
+                                    fields={"x": torch.zeros(1, 3), "y": _jagged(rng, [0]),
+                                            "bf": torch.zeros(1, dtype=torch.bfloat16)})
     yield lambda dp: dp.clear_samples(partition_id="q")
 
 

@@ -96,6 +96,8 @@ def _raw(t: torch.Tensor) -> memoryview:
     flat = t.contiguous().reshape(-1)
     if flat.dtype.is_complex or flat.dtype not in _DTYPE_NAMES:
         raise JournalError(f"the journal cannot hold dtype {t.dtype}")
+    if not flat.numel():
+        return memoryview(b"")
     return memoryview(flat.view(torch.uint8).numpy())
 
 
