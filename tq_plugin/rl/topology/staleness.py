@@ -18,6 +18,9 @@ microbatch has trained (and, after each earlier optimizer step of step ``s``, we
   live worker; a dead worker's undelivered tickets are reassigned under new numbers (rows it
   delivered stay). Ticket numbers are unique over a run and its resumes (``restart``): worker
   row ids are built from them.
+* ``check_token_ledger``: the bound token by token, at run time, over the per-token version
+  ledger of rows generated with in-flight weight updates (``recipe.inflight_updates``): the rule
+  is in its docstring.
 * ``StalenessFilter``: what the trainer checks anyway. A chunk trains at its target step (the
   collector assembles each step from its own slots), so a ticket's ``min_version`` bounds it by
   construction; a chunk over the bound all the same (a worker that did not honour it) is
@@ -26,7 +29,10 @@ microbatch has trained (and, after each earlier optimizer step of step ``s``, we
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -156,4 +162,83 @@ class StalenessFilter:
         return True
 
 
-__all__ = ["StalenessFilter", "Ticket", "TicketLedger"]
+class LedgerError(ValueError):
+    """A per-token version ledger that contradicts itself; the message names the row."""
+
+
+@dataclass
+class LedgerCheck:
+    """What :func:`check_token_ledger` decided: the step's new ``token_mask`` and
+    ``sample_mask`` and its figures (``metrics.csv`` columns)."""
+
+    token_mask: torch.Tensor
+    sample_mask: torch.Tensor
+    figures: dict[str, float]
+
+
+def check_token_ledger(versions: torch.Tensor, token_mask: torch.Tensor,
+                       sample_mask: torch.Tensor, *, trainer_version: int, max_staleness: int,
+                       sample_ids: Sequence[str]) -> LedgerCheck:
+    """The staleness bound per token, at run time, over a step's rows.
+
+    ``versions [B, L]``: each position's weight version (the reassembled ``token_versions``
+    column: -1 off the generated tokens and on padding), aligned with ``token_mask [B, L]``
+    (1 on the generated tokens the loss reads); ``sample_mask [B]``. A token's staleness is
+    ``trainer_version - its version``.
+
+    * **Contradiction fails the step** (``LedgerError``, naming the row's sample id, its
+      position and versions): a generated token of a live row without a version (< 0), a
+      version newer than the trainer's, or versions decreasing along a sequence (weights are
+      only ever replaced by newer ones while it is generated).
+    * **The bound masks tokens**: a token staler than ``max_staleness`` leaves the loss (its
+      ``token_mask`` becomes 0; the rest of its row still trains), and a row left with no
+      token in the loss is masked whole (``sample_mask`` 0, so it weighs nothing in its group's
+      advantages either). Both are counted: ``tokens_masked_stale``, ``rows_masked_stale``.
+
+    Figures (over the live rows' generated tokens, before masking): ``token_staleness_max``,
+    ``token_staleness_mean``, ``multi_version_fraction`` (the share of live rows whose tokens
+    span more than one version), and the two counts.
+    """
+    live = sample_mask > 0
+    gen = (token_mask > 0) & live[:, None]
+    unversioned = gen & (versions < 0)
+    if unversioned.any():
+        _name(unversioned, sample_ids, versions, "a generated token has no version")
+    newer = gen & (versions > trainer_version)
+    if newer.any():
+        _name(newer, sample_ids, versions,
+              f"a token's version is newer than the trainer's ({trainer_version})")
+    v = torch.where(gen, versions, torch.full_like(versions, -1))
+    decreasing = gen & (v < v.cummax(dim=1).values)
+    if decreasing.any():
+        _name(decreasing, sample_ids, versions, "versions decrease along the sequence")
+    lag = (trainer_version - versions).masked_fill(~gen, 0)
+    over = gen & (lag > max_staleness)
+    new_token_mask = token_mask.masked_fill(over, 0)
+    emptied = live & ~(new_token_mask > 0).any(dim=1) & (token_mask > 0).any(dim=1)
+    new_sample_mask = sample_mask.masked_fill(emptied, 0)
+    tokens = int(gen.sum())
+    top = torch.where(gen, versions, torch.full_like(versions, torch.iinfo(versions.dtype).min))
+    bottom = torch.where(gen, versions, torch.full_like(versions, torch.iinfo(versions.dtype).max))
+    spans = (top.max(dim=1).values > bottom.min(dim=1).values) & gen.any(dim=1)
+    rows = int((gen.any(dim=1)).sum())
+    figures = {
+        "token_staleness_max": int(lag[gen].max()) if tokens else 0,
+        "token_staleness_mean": round(float(lag[gen].float().mean()), 4) if tokens else 0.0,
+        "multi_version_fraction": round(int(spans.sum()) / rows, 4) if rows else 0.0,
+        "tokens_masked_stale": int(over.sum()),
+        "rows_masked_stale": int(emptied.sum()),
+    }
+    return LedgerCheck(new_token_mask, new_sample_mask, figures)
+
+
+def _name(bad: torch.Tensor, sample_ids: Sequence[str], versions: torch.Tensor, what: str) -> None:
+    row, position = (int(x) for x in bad.nonzero()[0])
+    seen = versions[row][versions[row] >= 0].tolist()
+    raise LedgerError(f"the per-token version ledger contradicts itself: {what}, in row "
+                      f"{sample_ids[row]!r} at position {position} (version "
+                      f"{int(versions[row, position])}; the row's versions {seen})")
+
+
+__all__ = ["LedgerCheck", "LedgerError", "StalenessFilter", "Ticket", "TicketLedger",
+           "check_token_ledger"]

@@ -16,6 +16,9 @@ exchanges with the trainer goes through that store:
   into its policy module and from there into its rollout engine (``engine=native`` samples
   that module itself; ``hf`` and ``vllm`` hold their own copy, started from an HF checkpoint
   of the worker's policy written to a temporary directory, and take the new weights in place);
+  with ``recipe.inflight_updates=true`` it also looks for a newer publish every
+  ``recipe.inflight.chunk_tokens`` decoded tokens and loads it mid-generation
+  (``tq_plugin.rollout.engine.InflightUpdates``), every call then staging each token's version;
   while every ticket it holds waits for newer weights it blocks on a claim of that partition
   (its own consumer task), which returns when the trainer publishes;
 * **rows**: the worker stages every call through ``TQTokenSink`` (``RolloutWorker`` stamps the
@@ -45,6 +48,7 @@ from typing import Any
 import torch
 from torch.nn.utils import vector_to_parameters
 
+from tq_plugin.config import ConfigError
 from tq_plugin.data_plane import (
     KVBatchMeta,
     LocalDataPlane,
@@ -84,7 +88,8 @@ from tq_plugin.rl.topology.exchange import (
     weights_task,
 )
 from tq_plugin.rl.training.pipeline import DrawLoop, RowIO
-from tq_plugin.rollout.engine import synced_parameters
+from tq_plugin.rollout import RolloutWorker
+from tq_plugin.rollout.engine import InflightUpdates, synced_parameters
 
 
 @dataclass
@@ -120,6 +125,13 @@ class _Weights:
         self.client, self.policy, self.engine = client, policy, engine
         self.publish, self.version = -1, -1
         self._named = lambda: engine_weights(policy, engine.name)
+
+    def poll(self) -> bool:
+        """In-flight weight updates (``recipe.inflight_updates``), between two chunks of
+        decoding: load the newest publish if it is not the one held; whether it did."""
+        held = self.publish
+        self.load_newest(newest_weights(self.client))
+        return self.publish != held
 
     def load_newest(self, newest: tuple[int, int] | None) -> int:
         """Load ``newest`` (``newest_weights``, just listed) if it is not the publish held, or a
@@ -221,6 +233,13 @@ def _serve(spec: WorkerSpec, stop: StopSignal, task: Any, weights: _Weights,
     client, rc = spec.client, spec.cfg.recipe
     partition = tickets_partition(spec.index)
     draws = DrawLoop(rc=rc, task=task, side=side, io=row_io(client))
+    if rc.get("inflight_updates"):
+        if not isinstance(side.rollout, RolloutWorker):
+            raise ConfigError("recipe.inflight_updates=true: this task drives its own rollouts "
+                              f"({type(side.rollout).__name__}), which stage no per-token "
+                              "version ledger; run it with recipe.inflight_updates=false")
+        weights.engine.inflight = InflightUpdates(
+            poll=weights.poll, chunk_tokens=int(rc.inflight.chunk_tokens), kv=str(rc.inflight.kv))
     held: list[dict[str, int]] = []
     while not stop.is_set():
         try:

@@ -24,6 +24,7 @@ from tq_plugin.rollout.engine import (
     CachedStep,
     Completion,
     EngineError,
+    InflightUpdates,
     NamedWeights,
     SamplingParams,
     cached_decode,
@@ -87,6 +88,8 @@ class HFEngine:
                  weight_version: int = 0) -> None:
         self.model: torch.nn.Module | None = load_checkpoint_model(checkpoint, dtype)
         self.weight_version = weight_version
+        # In-flight weight updates (``recipe.inflight_updates``): set by the rollout worker.
+        self.inflight: InflightUpdates | None = None
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
                  seeds: Sequence[int], image_patches: torch.Tensor | None = None
@@ -96,7 +99,8 @@ class HFEngine:
         if image_patches is not None:
             raise EngineError("engine=hf reads no pixels: use engine=native with tq/staging=media")
         return cached_decode(transformers_step(self.model), prompts, params, seeds=seeds,
-                             device=next(self.model.parameters()).device)
+                             device=next(self.model.parameters()).device,
+                             inflight=self.inflight, version=lambda: self.weight_version)
 
     def update_weights(self, weights: NamedWeights, *, version: int) -> None:
         """Copy ``weights`` (the checkpoint's parameter names; a LoRA policy's: its adapter's

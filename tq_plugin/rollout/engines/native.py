@@ -16,7 +16,7 @@ an update names the same tensors and copies nothing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -24,10 +24,12 @@ from torch import nn
 from tq_plugin.rollout.engine import (
     CachedStep,
     Completion,
+    InflightUpdates,
     NamedWeights,
     SamplingParams,
     allowed_mask,
     cached_decode,
+    completions,
     copy_named,
     draw_uniforms,
     restrict,
@@ -63,8 +65,13 @@ def cached_step(model: nn.Module) -> CachedStep | None:
 
 @torch.no_grad()
 def decode(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
-           seeds: Sequence[int], image_patches: torch.Tensor | None = None) -> list[Completion]:
+           seeds: Sequence[int], image_patches: torch.Tensor | None = None,
+           inflight: InflightUpdates | None = None,
+           version: Callable[[], int] | None = None) -> list[Completion]:
     """Sample up to ``params.max_new_tokens`` per prompt with ``model`` (module docstring).
+    ``inflight``: weights applied between chunks of new tokens, each token's version recorded
+    (:class:`~tq_plugin.rollout.engine.InflightUpdates`; without a cache, ``kv`` is moot: every
+    step is a full forward under the weights of the moment).
 
     The token buffer lives on the model's device; each step's next-token distribution comes back
     to the host (one ``[rows, vocab]`` copy per token), where it is drawn at the request's
@@ -75,7 +82,8 @@ def decode(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingP
         was_training = model.training
         model.eval()
         try:
-            return cached_decode(step, prompts, params, seeds=seeds, device=device_of(model))
+            return cached_decode(step, prompts, params, seeds=seeds, device=device_of(model),
+                                 inflight=inflight, version=version)
         finally:
             model.train(was_training)
     device = device_of(model)
@@ -92,6 +100,7 @@ def decode(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingP
     rows = torch.arange(b)
     out_tok = torch.full((b, steps), _PAD, dtype=torch.long)
     out_lp = torch.zeros(b, steps)
+    out_ver = None if inflight is None else torch.zeros(b, steps, dtype=torch.long)
     active = torch.ones(b, dtype=torch.bool)
     n_new = torch.zeros(b, dtype=torch.long)
     allowed, seen = None, None
@@ -100,6 +109,8 @@ def decode(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingP
     model.eval()
     try:
         for step in range(steps):
+            if inflight is not None and inflight.due(step):
+                inflight.poll()
             width = int(lens.max())
             kwargs = {} if image_patches is None else {"image_patches": image_patches}
             logits = model(buf[:, :width], **kwargs)
@@ -114,6 +125,8 @@ def decode(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingP
                 seen[rows, tok] = True
             out_tok[active, step] = tok[active]
             out_lp[active, step] = lp[active]
+            if out_ver is not None:
+                out_ver[:, step] = version()
             buf[rows[active].to(device), lens[active].to(device)] = tok[active].to(device)
             lens = lens + active.long()
             n_new += active.long()
@@ -122,9 +135,7 @@ def decode(model: nn.Module, prompts: Sequence[Sequence[int]], params: SamplingP
                 break
     finally:
         model.train(was_training)
-    counts = n_new.tolist()
-    return [Completion(out_tok[i, : counts[i]].tolist(), out_lp[i, : counts[i]].tolist())
-            for i in range(b)]
+    return completions(out_tok, out_lp, n_new, out_ver)
 
 
 class NativeEngine:
@@ -135,13 +146,16 @@ class NativeEngine:
     def __init__(self, model: nn.Module, *, weight_version: int = 0) -> None:
         self.model: nn.Module | None = model
         self.weight_version = weight_version
+        # In-flight weight updates (``recipe.inflight_updates``): set by the rollout worker.
+        self.inflight: InflightUpdates | None = None
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
                  seeds: Sequence[int], image_patches: torch.Tensor | None = None
                  ) -> list[Completion]:
         if self.model is None:
             raise RuntimeError("engine=native: generate after close")
-        return decode(self.model, prompts, params, seeds=seeds, image_patches=image_patches)
+        return decode(self.model, prompts, params, seeds=seeds, image_patches=image_patches,
+                      inflight=self.inflight, version=lambda: self.weight_version)
 
     def update_weights(self, weights: NamedWeights, *, version: int) -> None:
         """Copy ``weights`` (the model's parameter names) in; tensors that already are the
