@@ -33,13 +33,26 @@ def _make(kind: str, request):
     request.getfixturevalue("ray_session")
     from tq_plugin.data_plane.backends.ray_actor import RayDataPlane
 
+    if kind == "ray_sharded":
+        return sharded_ray_store(f"conformance-{uuid.uuid4().hex[:8]}")
     return RayDataPlane(f"conformance-{uuid.uuid4().hex[:8]}", actor_name="tq_plugin_tests")
+
+
+def sharded_ray_store(store: str, units: int = 2):
+    """``RayDataPlane`` over ``units`` storage units, every block of two or more elements staged
+    on a unit (``min_bytes=0``), so the suite's small rows take the sharded path too."""
+    from tq_plugin.data_plane.backends.ray_actor import RayDataPlane
+
+    client = RayDataPlane(store, actor_name="tq_plugin_tests", num_storage_units=units)
+    client.storage_units.min_bytes = 0
+    return client
 
 
 _DISTRIBUTED = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(params=["local", pytest.param("ray", marks=_DISTRIBUTED),
+                        pytest.param("ray_sharded", marks=_DISTRIBUTED),
                         pytest.param("transferqueue", marks=_DISTRIBUTED)])
 def client(request):
     reason = UNSUPPORTED.get(request.param, {}).get(request.node.originalname)

@@ -52,8 +52,9 @@ ERRORS = (TypeError, ValueError, KeyError)
 # Examples per backend and rules per example. The distributed backends pay a round trip per call,
 # so they run fewer; the long profile is for benchmarks/reliability.py.
 PROFILES = {
-    "ci": {"local": (150, 30), "ray": (30, 20), "transferqueue": (15, 16)},
-    "long": {"local": (2000, 50), "ray": (200, 30), "transferqueue": (60, 25)},
+    "ci": {"local": (150, 30), "ray": (30, 20), "ray_sharded": (10, 20), "transferqueue": (15, 16)},
+    "long": {"local": (2000, 50), "ray": (200, 30), "ray_sharded": (100, 30),
+             "transferqueue": (60, 25)},
 }
 # Which rules ran, per backend (the long profile reports them).
 RULES_RUN: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
@@ -443,21 +444,33 @@ def machine_for(backend: str, request=None) -> type[StoreMachine]:
                 return TransferQueueDataPlane(f"sm-{uuid.uuid4().hex[:8]}")
             from tq_plugin.data_plane.backends.ray_actor import RayDataPlane
 
+            if backend == "ray_sharded":  # two storage units, every block staged on one
+                return _on_units(RayDataPlane(f"sm-{uuid.uuid4().hex[:8]}",
+                                              actor_name="tq_plugin_tests", num_storage_units=2))
             return RayDataPlane(f"sm-{uuid.uuid4().hex[:8]}", actor_name="tq_plugin_tests")
 
         def load_client(self, path: str):
-            return type(self.dp).load(path, store=f"sm-{uuid.uuid4().hex[:8]}",
-                                      actor_name="tq_plugin_tests")
+            units = {"num_storage_units": 2} if backend == "ray_sharded" else {}
+            return _on_units(type(self.dp).load(path, store=f"sm-{uuid.uuid4().hex[:8]}",
+                                                actor_name="tq_plugin_tests", **units))
 
     Distributed.backend = backend
     Distributed.__name__ = f"StoreMachine_{backend}"
     return Distributed
 
 
+def _on_units(client):
+    """A sharded Ray client stages even the machine's small blocks on its storage units."""
+    if getattr(client, "storage_units", None) is not None:
+        client.storage_units.min_bytes = 0
+    return client
+
+
 _DISTRIBUTED = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.mark.parametrize("backend", ["local", pytest.param("ray", marks=_DISTRIBUTED),
+                                     pytest.param("ray_sharded", marks=_DISTRIBUTED),
                                      pytest.param("transferqueue", marks=_DISTRIBUTED)])
 def test_store_equals_a_dict_model(backend, request):
     RULES_RUN[backend].clear()

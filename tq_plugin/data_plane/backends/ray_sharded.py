@@ -70,6 +70,22 @@ def unit_of(sample_id: str, count: int) -> int:
     return zlib.crc32(sample_id.encode()) % count
 
 
+def shipped(items: Sequence[tuple], min_bytes: int) -> list[int]:
+    """Which of a payload's encoded fields (``name, kind, dtype, data, offsets``) a storage unit
+    takes: blocks of ``min_bytes`` or more and two or more elements, but never
+    ``input_lengths`` (the controller reads its values) nor a jagged block whose offsets do not
+    run from 0 to its last value (its error must name the bytes the caller sent)."""
+    out = []
+    for i, (name, kind, _, data, offsets) in enumerate(items):
+        if name == INPUT_LENGTHS or not hasattr(data, "nbytes"):
+            continue
+        if data.nbytes < min_bytes or data.size < 2:
+            continue
+        if kind == "dense" or (len(offsets) > 0 and offsets[0] == 0 and offsets[-1] == data.shape[0]):
+            out.append(i)
+    return out
+
+
 class StorageUnits:
     """The ``S`` storage-unit actors of one controller (named ``<actor_name>_unit<k>`` in its
     namespace), and the put-side step that stages blocks on them."""
@@ -113,7 +129,7 @@ class StorageUnits:
                 or not isinstance(sample_ids[0], str)):
             return payload
         _, batch, items = payload
-        picked = [i for i, item in enumerate(items) if self._ships(item[0], item[1], item[3], item[4])]
+        picked = shipped(items, self.min_bytes)
         if not picked:
             return payload
         unit = self.units[unit_of(sample_ids[0], self.count)]
@@ -130,4 +146,4 @@ class StorageUnits:
         return import_ray().get([u.pid.remote() for u in self.units], timeout=self.op_timeout_s)
 
 
-__all__ = ["StorageUnits", "checked_units", "unit_of"]
+__all__ = ["StorageUnits", "checked_units", "shipped", "unit_of"]
