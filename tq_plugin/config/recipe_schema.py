@@ -54,7 +54,7 @@ class InflightConfig:
     """
 
     # New tokens decoded between two looks for newer weights.
-    chunk_tokens: int = 8
+    chunk_tokens: int = 4
     # The KV cache when new weights arrive mid-generation: keep (the old weights' keys and
     # values stay) or recompute (one prefill of every sequence so far under the new weights).
     kv: str = "keep"

