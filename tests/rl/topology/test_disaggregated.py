@@ -427,13 +427,22 @@ def test_two_worker_grpo_run(tmp_path, ray_session):
 def test_the_reference_kl_and_reward_shaping_run_disaggregated(tmp_path, ray_session):
     """recipe.beta, the truncation mask, the overlong penalty and dynamic sampling together on
     two workers: the reference pass runs in the trainer's step tail, the shaping and the draws
-    in each worker's draw loop (its chunk), and their figures reach every step's row."""
-    _, result, rows, _ = _run(
+    in each worker's draw loop (its chunk), and their figures reach every step's row. The
+    shared store is sharded (two storage units hold the bytes: the weights rows go there), and
+    every step trains once within the staleness bound."""
+    recipe, result, rows, _ = _run(
         tmp_path, "recipe.rollout_workers=2", "recipe.num_steps=3", "recipe.ppo_epochs=2",
         "recipe.beta=0.04",
         "recipe.mask_truncated_completions=true", "recipe.overlong_buffer=2",
-        "recipe.dynamic_sampling=true")
+        "recipe.dynamic_sampling=true", "tq.backend.num_storage_units=2")
+    import ray
+
+    backend = recipe.cfg.tq.backend
+    units = [ray.get_actor(f"{backend.actor_name}_unit{k}", namespace=backend.namespace)
+             for k in range(2)]  # started beside the store actor, alive with this driver
+    assert len({ray.get(u.pid.remote()) for u in units}) == 2
     assert result["status"] == "ok" and result["steps"] == 3 and result["workers_lost"] == 0
+    assert result["rows_duplicate"] == 0 and result["staleness_max"] <= 1
     assert [int(r["step"]) for r in rows] == [0, 1, 2]
     for r in rows:
         # Two epochs: even step 0 trains its second on a policy off the reference.
