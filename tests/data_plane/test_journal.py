@@ -273,3 +273,19 @@ def test_bad_journal_input_is_refused_naming_it_and_nothing_is_written(tmp_path)
     (tmp_path / "f").write_text("")
     with pytest.raises(JournalError, match="not a directory"):
         LocalDataPlane(journal_dir=tmp_path / "f")
+
+
+def test_the_backend_config_builds_a_journaled_store_and_refuses_an_unknown_sync(tmp_path) -> None:
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from tq_plugin.config import BackendConfig, RayBackendConfig
+    from tq_plugin.config.rules import ConfigError
+
+    cfg = OmegaConf.structured(BackendConfig(journal_dir=str(tmp_path), journal_sync="batch"))
+    dp = instantiate(cfg)
+    assert dp.journal is not None and dp.journal.sync == "batch"
+    dp.close()
+    for schema in (BackendConfig, RayBackendConfig):
+        with pytest.raises(ConfigError, match="tq.backend.journal_sync"):
+            schema(journal_sync="sometimes")

@@ -265,3 +265,77 @@ def test_the_kill_checker_catches_a_lost_acknowledgement(tmp_path) -> None:
         f.write("put 1\n")  # acknowledged, never journaled
     with pytest.raises(AssertionError, match="acknowledged put 1 is missing"):
         _check_point(root, 5, helpers)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_ray_store_actor_killed_by_pid_recovers_from_its_journal(ray_session, tmp_path) -> None:
+    """tq/backend=ray with a journal: the store actor's process SIGKILLed, a client opening the
+    same store on the same journal_dir gets every acknowledged row, claim and staged call back."""
+    import os
+    import signal
+    import time
+
+    from tq_plugin.data_plane import RayDataPlane
+    from tq_plugin.staging import (
+        StagedCallBaseSnapshot,
+        TQTokenSink,
+        TQTokenSource,
+        make_rollout_receipt,
+        register_staging_partition,
+        verify_and_linearize,
+    )
+
+    helpers = _helpers()
+    name = "tq_plugin_journal_kill_test"
+    dp = RayDataPlane("journaled", actor_name=name, journal_dir=tmp_path / "j", journal_sync="always")
+    dp.register_partition("rows", [], consumer_tasks=["train"])
+    register_staging_partition(dp, "staging")
+    sink = TQTokenSink(dp, staging_partition="staging")
+    puts = [helpers["rows"](11, i) for i in range(6)]
+    for ids, fields, tags in puts:
+        dp.put_samples(partition_id="rows", sample_ids=ids, fields=fields, tags=tags)
+    chains = [helpers["chain"](11, r) for r in range(4)]
+    for records in chains:
+        assert all(sink.stage(record).ok for record in records)
+    claimed = dp.claim_meta("rows", "train", ["obs"], 5, blocking=False).sample_ids
+    dp.clear_samples(partition_id="rows", sample_ids=puts[2][0])
+    pid = ray_session.get(dp._actor.pid.remote())
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # the handle reports the actor dead once Ray saw it go
+        try:
+            ray_session.get(dp._actor.pid.remote(), timeout=5)
+        except ray_session.exceptions.RayActorError:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("the killed store actor was never reported dead")
+    dp._closed = True  # its actor is gone; nothing to drop
+    # the dead actor's name stays bound for the job's life: the store comes back in a new host
+    with pytest.raises(ray_session.exceptions.RayActorError):
+        RayDataPlane("journaled", actor_name=name, journal_dir=tmp_path / "j")
+    again = RayDataPlane("journaled", actor_name=name + "_2", journal_dir=tmp_path / "j")
+    try:
+        assert ray_session.get(again._actor.pid.remote()) != pid
+        for k, (ids, fields, tags) in enumerate(puts):
+            if k == 2:
+                assert not set(ids) & set(again.list_sample_ids("rows"))
+                continue
+            got = again.get_samples(partition_id="rows", sample_ids=ids, select_fields=list(fields))
+            for field, want in fields.items():
+                have = got[field]
+                if want.is_nested:
+                    assert torch.equal(have.values(), want.values())
+                    assert torch.equal(have.offsets(), want.offsets())
+                else:
+                    assert have.dtype == want.dtype and torch.equal(have, want)
+            assert again.get_tags(partition_id="rows", sample_ids=ids) == tags
+        left = again.claim_meta("rows", "train", ["obs"], 1000, blocking=False).sample_ids
+        assert not set(left) & set(claimed) and left
+        source = TQTokenSource(again, staging_partition="staging", snapshot_cls=StagedCallBaseSnapshot)
+        for records in chains:
+            snaps = source.fetch([r.staging_key for r in records])
+            verify_and_linearize(make_rollout_receipt(records), snaps)
+    finally:
+        again.close()

@@ -37,6 +37,7 @@ PIXEL_DTYPES = ("float32", "float16", "bfloat16")
 # Attention kernels tq_plugin.rl.models.hf runs on CPU (packed rows as a padded block).
 HF_ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
+JOURNAL_SYNC_MODES = ("off", "batch", "always")
 
 
 @dataclass
@@ -44,6 +45,15 @@ class BackendConfig:
     """``tq/backend``: the data-plane client. ``local`` is the embedded, in-process store."""
 
     _target_: str = "tq_plugin.data_plane.LocalDataPlane"
+    # A directory for the store's journal: every acknowledged call is recorded there first, and
+    # a store opened on it recovers them (docs/durability.md). None: no journal.
+    journal_dir: str | None = None
+    # off (written, never flushed: survives a killed process), batch (group commit: an fsync
+    # covers each call before it returns) or always (an fsync per call).
+    journal_sync: str = "off"
+
+    def __post_init__(self) -> None:
+        _one_of("tq.backend.journal_sync", self.journal_sync, JOURNAL_SYNC_MODES)
 
 
 @dataclass
@@ -66,6 +76,10 @@ class RayBackendConfig:
     # Storage-unit actors holding the bytes beside the one actor that keeps metadata and claims
     # (docs/scale.md); 1 is the single store actor.
     num_storage_units: int = 1
+    # The store actor's journal directory, on the actor's node (docs/durability.md); None: none.
+    journal_dir: str | None = None
+    # off, batch or always: as tq.backend.journal_sync of the local backend.
+    journal_sync: str = "off"
 
     def __post_init__(self) -> None:
         for key in ("store", "actor_name", "namespace"):
@@ -74,6 +88,10 @@ class RayBackendConfig:
         _positive("tq.backend.op_timeout_s", self.op_timeout_s)
         if self.num_storage_units < 1:
             _fail("tq.backend.num_storage_units", f"must be >= 1, got {self.num_storage_units}")
+        _one_of("tq.backend.journal_sync", self.journal_sync, JOURNAL_SYNC_MODES)
+        if self.journal_dir is not None and self.num_storage_units > 1:
+            _fail("tq.backend.journal_dir", "needs tq.backend.num_storage_units=1 (a sharded "
+                  "store's bytes live in its storage units, which keep no journal yet)")
 
 
 @dataclass

@@ -98,6 +98,11 @@ class _RefStore(LocalDataPlane):
         with full_reads():
             super().save(path, metadata=metadata)
 
+    def compact_journal(self) -> bool:
+        """``LocalDataPlane.compact_journal``: its snapshot reads the bytes the blocks hold."""
+        with full_reads():
+            return super().compact_journal()
+
     def restore(self, path: str) -> tuple[list[str], dict[str, Any]]:
         """Put a ``save`` checkpoint into this store (claims included): ``load_into``'s rules."""
         restored = load_into(self, path)
@@ -152,14 +157,20 @@ class _StoreHost:
     def __init__(self) -> None:
         self._stores: dict[str, _RefStore] = {}
 
-    def open(self, store: str, create: bool = True) -> bool:
-        """Reach ``store``; True when this call created it. Attaching never creates one."""
+    def open(self, store: str, create: bool = True, journal: Mapping[str, Any] | None = None) -> bool:
+        """Reach ``store``; True when this call created it. Attaching never creates one.
+        ``journal`` (``journal_dir``, ``journal_sync``): the new store's journal, on this
+        actor's node; a store created on an existing journal recovers it first."""
         created = store not in self._stores
         if created:
             if not create:
                 raise DataPlaneClosedError(f"data-plane store {store!r} does not exist (closed?)")
-            self._stores[store] = _RefStore()
+            self._stores[store] = _RefStore(**dict(journal or {}))
         return created
+
+    def pid(self) -> int:
+        """The actor's process id (tests kill it to show a journaled store survives)."""
+        return os.getpid()
 
     def call(self, store: str, method: str, kwargs: dict) -> Any:
         if method not in _ACTOR_METHODS:
@@ -209,9 +220,12 @@ class RayDataPlane:
         op_timeout_s: float = 300.0,
         allow_unauthenticated: bool = False,
         num_storage_units: int = 1,
+        journal_dir: str | os.PathLike[str] | None = None,
+        journal_sync: str = "off",
         _create: bool = True,
     ) -> None:
         units = checked_units(num_storage_units)  # before anything starts
+        journal = _journal_options(journal_dir, journal_sync, units)
         ray = import_ray()
         self.op_timeout_s = float(op_timeout_s)
         self.allow_unauthenticated = bool(allow_unauthenticated)
@@ -238,8 +252,15 @@ class RayDataPlane:
         self.store = store
         self.actor_name = actor_name
         self.namespace = namespace
-        self._owner = bool(ray.get(self._actor.open.remote(store, create=_create),
-                                   timeout=self.op_timeout_s))
+        try:
+            self._owner = bool(ray.get(self._actor.open.remote(store, create=_create, journal=journal),
+                                       timeout=self.op_timeout_s))
+        except ray.exceptions.RayActorError:
+            # The store actor died (killed, its node lost). Ray keeps its name bound to the
+            # dead actor for as long as this job holds it, so a new store host needs a new
+            # actor_name; a journaled store opened there recovers from its journal_dir.
+            _HOSTS.pop(key, None)
+            raise
         self.num_storage_units = units
         self.storage_units = (StorageUnits(actor_name, namespace, units, create=_create,
                                            op_timeout_s=self.op_timeout_s) if units > 1 else None)
@@ -425,6 +446,20 @@ class RayDataPlane:
         address = gcs_address()
         return (_attach, (self.store, self.actor_name, self.namespace, address, self.op_timeout_s,
                           self.allow_unauthenticated, self.num_storage_units))
+
+
+def _journal_options(journal_dir: Any, journal_sync: str, units: int) -> dict[str, Any] | None:
+    """The store actor's journal options, checked here (before anything starts)."""
+    if journal_dir is None:
+        return None
+    if journal_sync not in ("off", "batch", "always"):
+        raise ValueError("RayDataPlane: journal_sync must be one of ('off', 'batch', 'always'), "
+                         f"got {journal_sync!r}")
+    if units > 1:
+        raise ValueError("RayDataPlane: journal_dir needs num_storage_units=1 (the storage units "
+                         "hold the bytes of a sharded store; the journal is not written there yet)")
+    # the actor runs elsewhere, in its own working directory: an absolute path
+    return {"journal_dir": os.path.abspath(journal_dir), "journal_sync": journal_sync}
 
 
 def _attach(store: str, actor_name: str, namespace: str, address: str | None = None,
