@@ -166,6 +166,7 @@ class RLRecipe:
         self._setup_models()
         self._check_engine()
         self.metrics = self.source.metrics_type(self.output_dir, packing=self.packing.mode)
+        self.metrics.live = bool(self.rc.save_artifacts)  # metrics.csv grows step by step
         self._setup_trainer()
 
     def _setup_models(self) -> None:

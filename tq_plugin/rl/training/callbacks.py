@@ -109,6 +109,7 @@ class RLStepCallback(Callback):
         self.rollouts.generator.set_state(state_dict["rng_state"])
         make = getattr(self.metrics, "step_type", StepRecord)  # the disaggregated records
         self.restored = [make(**s) for s in state_dict["steps"]]
+        self.metrics.restored = self.restored  # a live metrics.csv starts with them
 
 
 class SigtermStop(Callback):
@@ -268,11 +269,18 @@ class StepHooks(Callback):
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
-        self.after_microbatch(trainer, pl_module.dp_meta, pl_module.microbatch_stats())
+        client = getattr(pl_module, "dp_client", None)
+        self.after_microbatch(trainer, pl_module.dp_meta, pl_module.microbatch_stats(),
+                              client.snapshot() if hasattr(client, "snapshot") else None)
 
-    def after_microbatch(self, trainer: Trainer, meta: Any, stats: dict[str, float]) -> None:
+    def after_microbatch(self, trainer: Trainer, meta: Any, stats: dict[str, float],
+                         dp: Any = None) -> None:
         self.metrics.on_microbatch(meta, stats)
         info = meta.extra_info[MICROBATCH_INFO]
+        if info["last_in_step"] and trainer.world_size == 1:
+            # one process: its row is the run's; with several ranks the rows are reduced when
+            # the run ends
+            self.metrics.step_finished(int(info["step"]), dp)
         self.periodic.save_if_due(trainer, info)
         finished = int(info["step"]) + 1
         if self.save_hf_every and info["last_in_step"] and finished % self.save_hf_every == 0:

@@ -1,6 +1,8 @@
 """Per-step metrics of a recipe run, and the artifacts written into Hydra's output dir.
 
-* ``metrics.csv``: one row per RL step (reward, tokens/s, padded-token fraction, data-plane bytes…);
+* ``metrics.csv``: one row per RL step (reward, tokens/s, padded-token fraction, data-plane bytes…),
+  appended as each step finishes (``MetricsLog.live``), so a killed run keeps every finished
+  step's row, and rewritten whole, reduced over ranks, when the run ends;
 * ``resolved_config.yaml``: the composed config with interpolations resolved;
 * ``reward_curve.png``: reward (train, eval), loss, KL, entropy and tokens/s per step
   (``tq_plugin.rl.training.plots``; with the ``plot`` extra, matplotlib);
@@ -10,9 +12,11 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
 import math
+import os
 import resource
 import time
 from collections.abc import Mapping
@@ -366,6 +370,13 @@ class MetricsLog:
         self.start = time.perf_counter()
         self._dp_last = 0
         self._max_mb_tokens = 0
+        # ``live``: append each finished step's row to metrics.csv as it finishes (the recipe
+        # sets it on the process that writes the artifacts); ``restored`` the rows a resumed
+        # run's checkpoint brought back, written first.
+        self.live = False
+        self.restored: list[Any] = []
+        self._live_names: list[str] | None = None
+        self._live_rows: list[dict[str, Any]] = []
         _reset_peak_rss()
 
     def on_step_ready(self, step: int, *, rewards: torch.Tensor, turn_scores: torch.Tensor,
@@ -380,6 +391,38 @@ class MetricsLog:
         self.steps.append(row)
         self._by_step[step] = row
         self._dp_total = total
+
+    def step_finished(self, step: int, dp: Any = None) -> None:
+        """Step ``step``'s last microbatch trained: with ``live``, append its row to
+        metrics.csv now (``dp``: the client's byte counters, for the step's data-plane bytes so
+        far). One line appended and flushed per step; the file is rewritten (atomically) only
+        when a row brings a column the header lacks."""
+        row = self._by_step.get(step)
+        if not self.live or row is None:
+            return
+        if dp is not None:
+            row.dp_bytes = int(dp.bytes_read + dp.bytes_written) - self._dp_last
+        values = row.row()
+        rows = [*([] if self._live_names is not None else [r.row() for r in self.restored]),
+                values]
+        names = list(dict.fromkeys([*(self._live_names or []), *(k for r in rows for k in r)]))
+        path = self.output_dir / "metrics.csv"
+        if self._live_names is not None and names == self._live_names:
+            with open(path, "a", newline="") as f:
+                csv.DictWriter(f, fieldnames=names, restval="").writerow(values)
+                f.flush()
+            self._live_rows.append(values)
+            return
+        self._live_rows += rows
+        self._live_names = names
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        buf = io.StringIO(newline="")
+        writer = csv.DictWriter(buf, fieldnames=names, restval="")
+        writer.writeheader()
+        writer.writerows(self._live_rows)
+        tmp = path.with_name(f".metrics.csv.{os.getpid()}.tmp")
+        tmp.write_text(buf.getvalue(), newline="")
+        os.replace(tmp, path)
 
     def on_microbatch(self, meta: KVBatchMeta, stats: Mapping[str, float]) -> None:
         info = meta.extra_info[MICROBATCH_INFO]
