@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,6 +118,10 @@ def _build(spec: WorkerSpec, workdir: str) -> tuple[Any, Any, Any, RolloutSide]:
     return task, policy, engine, side
 
 
+# In-flight weight updates: the shortest time between two listings of the weights partition.
+POLL_EVERY_S = 0.02
+
+
 class _Weights:
     """The worker's copy of the policy: the publish it loaded and that publish's version, kept
     in its policy module and pushed from there into its engine."""
@@ -125,10 +130,17 @@ class _Weights:
         self.client, self.policy, self.engine = client, policy, engine
         self.publish, self.version = -1, -1
         self._named = lambda: engine_weights(policy, engine.name)
+        self._polled = float("-inf")
 
     def poll(self) -> bool:
         """In-flight weight updates (``recipe.inflight_updates``), between two chunks of
-        decoding: load the newest publish if it is not the one held; whether it did."""
+        decoding: load the newest publish if it is not the one held; whether it did. The
+        listing is a store round trip, so it is made at most every ``POLL_EVERY_S`` (the
+        trainer publishes once per optimizer step, far less often)."""
+        now = time.monotonic()
+        if now - self._polled < POLL_EVERY_S:
+            return False
+        self._polled = now
         held = self.publish
         self.load_newest(newest_weights(self.client))
         return self.publish != held
