@@ -383,6 +383,8 @@ def main(argv: list[str] | None = None) -> dict:
                    f"{100 * med(rs, 'box_cpu'):.0f}%"] for s, rs in by_s.items()]
     s2 = med(by_s[2], "rows_s") / base
     md = "\n".join([
+        "## Simulated fleet on the shared Ray store (bench_fleet)",
+        "",
         (f"Simulated fleet (`python -m benchmarks.bench_fleet --workers {args.workers} --ranks "
          f"{args.ranks}`): {args.workers} mock rollout workers (threads in {len(hosts)} Ray actor "
          f"processes), {args.ranks} mock trainer ranks, {args.seconds:g} s a run, groups of 4 rows "

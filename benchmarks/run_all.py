@@ -24,7 +24,8 @@ from benchmarks import render
 from benchmarks._common import machine
 
 MODULES = ["bench_data_plane", "bench_backends", "bench_packing", "bench_lightning", "bench_staging",
-           "bench_topology", "bench_inflight", "bench_engines", "bench_agent_endpoint", "bench_fsdp",
+           "bench_topology", "bench_inflight", "bench_fleet", "bench_engines", "bench_agent_endpoint",
+           "bench_fsdp",
            "bench_logprobs",
            "bench_real_shapes", "bench_real_lengths", "bench_parity", "bench_toy_steps",
            "bench_real_extra",
