@@ -69,6 +69,16 @@ def _ops(rng: np.random.Generator):
         yield (lambda dp, i=i, r=row, t=tok: dp.put_samples(
             partition_id="p", sample_ids=[f"one{i}"],
             fields={"x": r, "y": t, "bf": torch.zeros(1, dtype=torch.bfloat16)}))
+    # consecutive one-row puts (replayed as one put): equal lengths stay dense, a row of
+    # another length turns the column jagged, as it did live; tags on some rows only
+    yield lambda dp: dp.register_partition("r", [])
+    for i, (n, m) in enumerate([(3, 1), (3, 1), (3, 1), (5, 2), (4, 2)]):
+        tok = torch.from_numpy(rng.integers(0, 9, (1, n)))
+        grid = torch.from_numpy(rng.standard_normal((1, m, 2)).astype(np.float32))
+        tags = [{"i": i}] if i % 2 else None
+        yield (lambda dp, i=i, t=tok, g=grid, tg=tags: dp.put_samples(
+            partition_id="r", sample_ids=[f"r{i}"], fields={"tok": t, "grid": g,
+                                                            "same": torch.ones(1, 2)}, tags=tg))
     yield lambda dp: dp.claim_meta("p", "train", ["x"], 4, blocking=False)
     yield lambda dp: dp.put_samples(partition_id="p", sample_ids=["s0_0"], mode="update",
                                     fields={"x": torch.full((1, 3), 7.0)}, tags=[{"new": True}])

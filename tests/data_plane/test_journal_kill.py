@@ -109,7 +109,7 @@ if __name__ == "__main__":
     rng = np.random.default_rng(seed)
     for k in range(points):
         root = os.path.join(base, f"k{k}")
-        delay = float(rng.uniform(0.05, 0.9))
+        delay = float(rng.uniform(0.0, 0.8))
         pid = os.fork()
         if pid == 0:
             try:
@@ -119,6 +119,15 @@ if __name__ == "__main__":
                 traceback.print_exc()
             finally:
                 os._exit(3)
+        deadline = time.monotonic() + 120  # the kill falls on work, however loaded the box
+        while time.monotonic() < deadline:
+            try:
+                with open(root + ".acks") as f:
+                    if f.read().count("\n") >= 2:
+                        break
+            except FileNotFoundError:
+                pass
+            time.sleep(0.01)
         time.sleep(delay)
         os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)

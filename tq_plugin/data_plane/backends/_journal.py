@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import re
 import struct
@@ -134,34 +135,92 @@ def encode_fields(items: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[list[
     return entries, buffers
 
 
-def _tensor(payload: memoryview, at: int, dtype: torch.dtype, shape: Sequence[int]) -> tuple[torch.Tensor, int]:
-    count = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
-    size = count * torch.empty(0, dtype=dtype).element_size()
-    if at + size > len(payload):
-        raise JournalError("a record's payload is shorter than its header says")
-    if size:
-        t = torch.frombuffer(payload[at : at + size], dtype=torch.uint8).view(dtype).reshape(tuple(shape))
-    else:
-        t = torch.empty(tuple(shape), dtype=dtype)
-    return t, at + -(-size // _ALIGN) * _ALIGN
+_ITEMSIZE = {name: torch.empty(0, dtype=d).element_size() for name, d in _DTYPES.items()}
+_MERGE_ROWS = 4096  # rows per replayed put at most (consecutive puts are replayed as one)
+_MERGE_BYTES = 64 << 20
 
 
-def decode_fields(entries: list[list[Any]], payload: memoryview) -> dict[str, torch.Tensor]:
-    """``encode_fields``' output back to tensors over ``payload`` (no copy)."""
-    fields: dict[str, torch.Tensor] = {}
+def _buffers(entries: list[list[Any]]) -> list[tuple[int, int]]:
+    """Each buffer's (start, size) in a record's payload, in payload order (a jagged field has
+    two: values, lengths)."""
+    out = []
     at = 0
     for entry in entries:
-        name, kind, dtype_name, shape = entry[:4]
+        kind, dtype_name, shape = entry[1], entry[2], entry[3]
+        size = math.prod(shape) * _ITEMSIZE[dtype_name]
+        out.append((at, size))
+        at += -(-size // _ALIGN) * _ALIGN
+        if kind == "j":
+            size = 8 * entry[4]
+            out.append((at, size))
+            at += -(-size // _ALIGN) * _ALIGN
+    return out
+
+
+def _field_key(entry: list[Any]) -> tuple:
+    """What consecutive puts must share, field by field, to be replayed as one put: name, kind,
+    dtype and the row shape (a dense field of 2+ dims may differ in dim 1: rows of different
+    lengths, which the store keeps jagged)."""
+    name, kind, dtype, shape = entry[:4]
+    if kind == "d" and len(shape) >= 2:
+        return name, kind, dtype, len(shape), tuple(shape[2:])
+    return name, kind, dtype, len(shape), tuple(shape[1:])
+
+
+def put_key(header: dict[str, Any]) -> tuple | None:
+    """The merge key of a put record (None: replay it alone)."""
+    entries = header.get("f")
+    if header.get("o") != "put" or not entries:
+        return None
+    return header["p"], header["m"], tuple(_field_key(e) for e in entries)
+
+
+def _joined(chunks: list[memoryview], dtype: torch.dtype) -> torch.Tensor:
+    raw = bytearray().join(chunks)
+    if not raw:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(raw, dtype=torch.uint8).view(dtype)
+
+
+def decode_group(group: Sequence[tuple[dict[str, Any], memoryview]]) -> dict[str, torch.Tensor]:
+    """The fields of consecutive put records (same ``put_key``) as one put's: each field's
+    bytes joined once, one tensor per field (no per-row torch work)."""
+    layouts = []
+    for header, payload in group:
+        bufs = _buffers(header["f"])
+        end = bufs[-1][0] + bufs[-1][1] if bufs else 0
+        if end > len(payload):
+            raise JournalError("a record's payload is shorter than its header says")
+        layouts.append(bufs)
+    fields: dict[str, torch.Tensor] = {}
+    b = 0
+    for i, entry in enumerate(group[0][0]["f"]):
+        name, kind, dtype_name = entry[:3]
         dtype = _DTYPES.get(dtype_name)
         if dtype is None:
             raise JournalError(f"a record names an unknown dtype {dtype_name!r}")
-        values, at = _tensor(payload, at, dtype, shape)
+        values = _joined([payload[lay[b][0]: lay[b][0] + lay[b][1]]
+                          for (_, payload), lay in zip(group, layouts)], dtype)
+        shapes = [header["f"][i][3] for header, _ in group]
         if kind == "j":
-            lengths, at = _tensor(payload, at, torch.int64, [entry[4]])
-            fields[name] = nested_from_lengths(values, lengths)
-        else:
-            fields[name] = values
+            lengths = _joined([payload[lay[b + 1][0]: lay[b + 1][0] + lay[b + 1][1]]
+                               for (_, payload), lay in zip(group, layouts)], torch.int64)
+            fields[name] = nested_from_lengths(values.reshape(-1, *shapes[0][1:]), lengths)
+            b += 2
+            continue
+        b += 1
+        if all(s[1:] == shapes[0][1:] for s in shapes):
+            fields[name] = values.reshape(sum(s[0] for s in shapes), *shapes[0][1:])
+        else:  # rows of different lengths (dim 1): one jagged put, as the store would keep them
+            lengths = torch.from_numpy(np.repeat(np.array([s[1] for s in shapes], dtype=np.int64),
+                                                 [s[0] for s in shapes]))
+            fields[name] = nested_from_lengths(values.reshape(-1, *shapes[0][2:]), lengths)
     return fields
+
+
+def decode_fields(entries: list[list[Any]], payload: memoryview) -> dict[str, torch.Tensor]:
+    """One put record's fields as tensors."""
+    return decode_group([({"f": entries}, payload)])
 
 
 # ---------------------------------------------------------------------- the journal
@@ -231,9 +290,10 @@ class Journal:
         self.dropped_tail_bytes = 0
 
     # ------------------------------------------------------------------ recovery
-    def recover(self, store: Any, apply: Callable[[dict[str, Any], memoryview], None]) -> None:
-        """Load the snapshot into ``store``, replay the segments after it through ``apply``,
-        then open a new segment for this process's records."""
+    def recover(self, store: Any, apply: Callable[[list[tuple[dict[str, Any], memoryview]]], None]) -> None:
+        """Load the snapshot into ``store``, replay the segments after it through ``apply``
+        (a run of consecutive puts that ``put_key`` says may go as one, else one record at a
+        time), then open a new segment for this process's records."""
         next_seg = 0
         snap = self.root / SNAPSHOT
         has_snapshot = snap.is_dir() or any(p.name.startswith(f"{SNAPSHOT}.old-") for p in self.root.iterdir())
@@ -266,20 +326,40 @@ class Journal:
         self.seq = expected if live else next_seg
         self._open_segment(self.seq)
 
-    def _replay(self, path: Path, apply: Callable[[dict[str, Any], memoryview], None], *, last: bool) -> None:
+    def _replay(self, path: Path, apply: Callable[[list[tuple[dict[str, Any], memoryview]]], None],
+                *, last: bool) -> None:
         size = path.stat().st_size
         data = bytearray(size)
         with open(path, "rb", buffering=0) as f:
             got = f.readinto(data)
         view = memoryview(data)[:got]
         at = 0
+        group: list[tuple[dict[str, Any], memoryview]] = []
+        group_at, group_key, group_ids, group_bytes = 0, None, set(), 0
+
+        def flush() -> None:
+            if not group:
+                return
+            try:
+                apply(group)
+            except JournalError:
+                raise
+            except Exception as err:
+                raise JournalError(
+                    f"journal segment {str(path)!r}: the record at byte {group_at} "
+                    f"({group[0][0].get('o')!r}) does not replay: {type(err).__name__}: {err}"
+                ) from err
+            self.recovered_records += len(group)
+            group.clear()
+
         while at < got:
-            bad = self._check_record(view, at)
-            if bad is not None:
+            checked = self._check_record(view, at)
+            if isinstance(checked, str):
+                flush()
                 if not last:
                     raise JournalError(
-                        f"journal segment {str(path)!r} is damaged at byte {at} ({bad}), before "
-                        "newer segments: acknowledged records cannot be read back"
+                        f"journal segment {str(path)!r} is damaged at byte {at} ({checked}), "
+                        "before newer segments: acknowledged records cannot be read back"
                     )
                 self.dropped_tail_bytes = got - at
                 with open(path, "r+b") as f:  # the torn tail was never acknowledged: cut it
@@ -287,26 +367,30 @@ class Journal:
                     f.flush()
                     os.fsync(f.fileno())
                 break
-            _, hlen, plen, _ = _HEAD.unpack_from(view, at)
+            header, hlen, plen = checked
             start = at + _HEAD.size
-            header = json.loads(bytes(view[start : start + hlen]))
             payload = view[start + hlen : start + hlen + plen]
-            try:
-                apply(header, payload)
-            except JournalError:
-                raise
-            except Exception as err:
-                raise JournalError(
-                    f"journal segment {str(path)!r}: the record at byte {at} "
-                    f"({header.get('o')!r}) does not replay: {type(err).__name__}: {err}"
-                ) from err
-            self.recovered_records += 1
+            key = put_key(header)
+            ids = header.get("i") or ()
+            if (group and (key is None or key != group_key or len(group_ids) >= _MERGE_ROWS
+                           or group_bytes >= _MERGE_BYTES or not group_ids.isdisjoint(ids)
+                           or len(set(ids)) != len(ids))):
+                flush()
+            if not group:
+                group_at, group_key, group_ids, group_bytes = at, key, set(), 0
+            group.append((header, payload))
+            group_ids.update(ids)
+            group_bytes += plen
+            if key is None:
+                flush()
             self.records_since_snapshot += 1
             self.bytes_since_snapshot += _HEAD.size + hlen + plen
             at = start + hlen + plen
+        flush()
 
     @staticmethod
-    def _check_record(view: memoryview, at: int) -> str | None:
+    def _check_record(view: memoryview, at: int) -> tuple[dict[str, Any], int, int] | str:
+        """The record at ``at`` (header, header length, payload length), or what is wrong."""
         if at + _HEAD.size > len(view):
             return "a cut record header"
         magic, hlen, plen, crc = _HEAD.unpack_from(view, at)
@@ -324,7 +408,7 @@ class Journal:
             return "a header that is not JSON"
         if not isinstance(header, dict):
             return "a header that is not an object"
-        return None
+        return header, hlen, plen
 
     # ------------------------------------------------------------------ appending
     def _open_segment(self, seq: int) -> None:

@@ -26,7 +26,7 @@ from tq_plugin.data_plane.backends._journal import (
     Journal,
     JournalError,
     checked_tags_for_journal,
-    decode_fields,
+    decode_group,
     encode_fields,
     quiet,
 )
@@ -115,7 +115,7 @@ class LocalDataPlane(WritePath, RowBuffer, TaskCursors):
             journal = Journal(journal_dir, journal_sync, compact_bytes=journal_compact_bytes,
                               compact_records=journal_compact_records)
             try:
-                journal.recover(self, self._replay_record)
+                journal.recover(self, self._replay_records)
             except BaseException:
                 journal.close()
                 self.close()
@@ -169,13 +169,25 @@ class LocalDataPlane(WritePath, RowBuffer, TaskCursors):
         journal.write_snapshot(snaps, seq)
         return True
 
-    def _replay_record(self, header: dict[str, Any], payload: memoryview) -> None:
-        """Apply one journal record through the public methods (journaling is off meanwhile)."""
+    def _replay_records(self, group: list[tuple[dict[str, Any], memoryview]]) -> None:
+        """Apply journal records through the public methods (journaling is off meanwhile): a
+        run of consecutive puts as one put (the same rows, tags and order), else one record."""
+        header = group[0][0]
         op, pid = header.get("o"), header.get("p")
         if op == "put":
-            fields = decode_fields(header["f"], payload) if header["f"] else None
-            self.put_samples(partition_id=pid, sample_ids=header["i"], fields=fields,
-                             tags=header["t"], mode=header["m"])
+            tags = None
+            if any(h["t"] is not None for h, _ in group):
+                tags = [t for h, _ in group for t in (h["t"] or [{}] * len(h["i"]))]
+            fields = decode_group(group) if header["f"] else None
+            ids = [sid for h, _ in group for sid in h["i"]]
+            try:
+                self.put_samples(partition_id=pid, sample_ids=ids, fields=fields, tags=tags,
+                                 mode=header["m"])
+            except Exception:
+                if len(group) == 1:
+                    raise
+                for record in group:  # name the record that fails (a put lands whole or not)
+                    self._replay_records([record])
         elif op == "reg":
             self.register_partition(pid, header["f"], header["n"], header["c"], header["g"],
                                     header["e"] or None, jagged_fields=header["j"])
