@@ -38,7 +38,7 @@ START, END = "<!-- headline:start -->", "<!-- headline:end -->"
 
 # The order of the sections in RESULTS.md; a bench missing here is placed after them, by name.
 SECTIONS = ["bench_data_plane", "bench_backends", "bench_packing", "bench_lightning",
-            "bench_staging", "bench_topology", "bench_inflight", "bench_fleet", "bench_engines",
+            "bench_staging", "bench_durable", "bench_topology", "bench_inflight", "bench_fleet", "bench_engines",
             "bench_agent_endpoint",
             "bench_fsdp", "soak", "reliability", "async_resume", "bench_logprobs",
             "bench_real_shapes", "bench_real_lengths", "bench_parity", "bench_toy_steps",

@@ -24,6 +24,7 @@ from benchmarks import render
 from benchmarks._common import machine
 
 MODULES = ["bench_data_plane", "bench_backends", "bench_packing", "bench_lightning", "bench_staging",
+           "bench_durable",
            "bench_topology", "bench_inflight", "bench_fleet", "bench_engines", "bench_agent_endpoint",
            "bench_fsdp",
            "bench_logprobs",
