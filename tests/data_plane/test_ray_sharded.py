@@ -151,3 +151,52 @@ def test_a_puts_bytes_live_on_the_unit_its_first_id_hashes_to(ray_session):
         assert client.list_sample_ids("p") == [] and client.stats()["live_bytes"] == 0
     finally:
         client.close()
+
+
+def _plasma_objects(ray) -> int:
+    """Objects in this cluster's shared-memory object store."""
+    from ray._private.internal_api import memory_summary
+
+    text = memory_summary(address=ray.get_runtime_context().gcs_address, stats_only=True)
+    return int(next(x for x in text.splitlines() if "Plasma memory usage" in x).split()[5])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_units_objects_go_when_their_rows_are_cleared_or_their_put_is_refused(ray_session):
+    """The controller borrows a unit's objects: a clear, and a put it refuses after the unit
+    staged the bytes, leave the object store as it was (Ray's reference counting frees them)."""
+    import time
+
+    from tq_plugin.data_plane import RayDataPlane
+
+    client = RayDataPlane(f"shard-{uuid.uuid4().hex[:8]}", actor_name="tq_plugin_tests",
+                          num_storage_units=2)
+    try:
+        client.register_partition("p", ["x"])
+        gc.collect()  # references earlier tests left in cycles: their objects go first
+        before, settled = _plasma_objects(ray_session), time.monotonic() + 30
+        while time.monotonic() < settled:  # Ray frees objects asynchronously
+            time.sleep(1.0)
+            now = _plasma_objects(ray_session)
+            if now == before:
+                break
+            before = now
+        ids = [f"a{i}" for i in range(8)]
+        x = torch.randn(8, 1 << 15)  # 1 MiB: staged on a unit
+        client.put_samples(partition_id="p", sample_ids=ids, fields={"x": x})
+        assert _plasma_objects(ray_session) > before
+        with pytest.raises(ValueError, match="not declared"):  # staged, then refused
+            client.put_samples(partition_id="p", sample_ids=["b0", "b1"],
+                               fields={"y": torch.randn(2, 1 << 17)})
+        assert client.list_sample_ids("p") == ids
+        got = client.get_samples(partition_id="p", sample_ids=ids, select_fields=["x"])["x"]
+        assert torch.equal(got, x)
+        del got
+        client.clear_samples(partition_id="p", sample_ids=ids)
+        deadline = time.monotonic() + 30  # Ray frees objects asynchronously
+        while _plasma_objects(ray_session) > before and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _plasma_objects(ray_session) == before
+    finally:
+        client.close()
