@@ -23,13 +23,13 @@ from tq_plugin.data_plane.backends._buffer import RowBuffer
 from tq_plugin.data_plane.backends._claims import TaskCursors
 from tq_plugin.data_plane.backends._columns import POOL
 from tq_plugin.data_plane.backends._journal import (
+    SYNC_MODES,
     Journal,
     JournalError,
     checked_tags_for_journal,
-    decode_group,
     encode_fields,
-    quiet,
 )
+from tq_plugin.data_plane.backends._journaled import Journaled
 from tq_plugin.data_plane.backends._partition import (
     DEFAULT_CAPACITY_FRACTION,
     PUT_MODES,
@@ -59,7 +59,7 @@ from tq_plugin.data_plane.jagged import batch_of
 from tq_plugin.data_plane.meta import KVBatchMeta
 
 
-class LocalDataPlane(WritePath, RowBuffer, TaskCursors):
+class LocalDataPlane(WritePath, RowBuffer, TaskCursors, Journaled):
     """Embedded keyed columnar store (implements ``DataPlaneClient``).
 
     Partitions must be registered before use. ``fields`` declares the names producers may write
@@ -112,91 +112,11 @@ class LocalDataPlane(WritePath, RowBuffer, TaskCursors):
         self._peak_bytes = 0
         self._journal: Journal | None = None
         if journal_dir is not None:
-            journal = Journal(journal_dir, journal_sync, compact_bytes=journal_compact_bytes,
-                              compact_records=journal_compact_records)
-            try:
-                journal.recover(self, self._replay_records)
-            except BaseException:
-                journal.close()
-                self.close()
-                raise
-            self._journal = journal
-            if journal.due:
-                self.compact_journal()
-        elif journal_sync not in ("off", "batch", "always"):
-            raise ValueError(f"LocalDataPlane: journal_sync must be one of ('off', 'batch', "
-                             f"'always'), got {journal_sync!r}")
-
-    # ------------------------------------------------------------------ journal
-    @property
-    def journal(self) -> Journal | None:
-        """The store's journal (``journal_dir``), or None."""
-        return self._journal
-
-    def _log(self, header: dict[str, Any], buffers: Sequence[Any] = ()) -> int | None:
-        """Append a mutation's record (under the lock, after it succeeded in memory)."""
-        journal = self._journal
-        return None if journal is None else journal.append(header, buffers)
-
-    def _durable(self, ticket: int | None) -> None:
-        """Wait until the record ``ticket`` names is as durable as ``journal_sync`` promises
-        (outside the lock), then compact the journal when it is due."""
-        if ticket is None:
-            return
-        journal = self._journal
-        if journal is None:
-            return
-        journal.commit(ticket)
-        if journal.due:
-            self.compact_journal()
-
-    def compact_journal(self) -> bool:
-        """Fold the journal into a snapshot of the store now (False when one is already being
-        written); recovery then replays only what comes after it."""
-        journal = self._journal
-        if journal is None:
-            raise ValueError("compact_journal: this store has no journal_dir")
-        with self._lock:
-            self._require_open()
-            seq = journal.cut()
-            if seq is None:
-                return False
-            try:
-                snaps = self.snapshot_partitions()
-            except BaseException:
-                journal.write_snapshot_failed()
-                raise
-        journal.write_snapshot(snaps, seq)
-        return True
-
-    def _replay_records(self, group: list[tuple[dict[str, Any], memoryview]]) -> None:
-        """Apply journal records through the public methods (journaling is off meanwhile): a
-        run of consecutive puts as one put (the same rows, tags and order), else one record."""
-        header = group[0][0]
-        op, pid = header.get("o"), header.get("p")
-        if op == "put":
-            tags = None
-            if any(h["t"] is not None for h, _ in group):
-                tags = [t for h, _ in group for t in (h["t"] or [{}] * len(h["i"]))]
-            fields = decode_group(group) if header["f"] else None
-            ids = [sid for h, _ in group for sid in h["i"]]
-            try:
-                self.put_samples(partition_id=pid, sample_ids=ids, fields=fields, tags=tags,
-                                 mode=header["m"])
-            except Exception:
-                if len(group) == 1:
-                    raise
-                for record in group:  # name the record that fails (a put lands whole or not)
-                    self._replay_records([record])
-        elif op == "reg":
-            self.register_partition(pid, header["f"], header["n"], header["c"], header["g"],
-                                    header["e"] or None, jagged_fields=header["j"])
-        elif op == "clr":
-            quiet(lambda: self.clear_samples(partition_id=pid, sample_ids=header["i"]))
-        elif op == "claim":
-            self.restore_claims(pid, header["c"])
-        else:
-            raise JournalError(f"a journal record has an unknown operation {op!r}")
+            self._open_journal(journal_dir, journal_sync, journal_compact_bytes,
+                               journal_compact_records)
+        elif journal_sync not in SYNC_MODES:
+            raise ValueError(f"LocalDataPlane: journal_sync must be one of {SYNC_MODES}, "
+                             f"got {journal_sync!r}")
 
     # ------------------------------------------------------------------ lifecycle
     def _require_open(self) -> None:
