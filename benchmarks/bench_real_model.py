@@ -117,15 +117,30 @@ def run_ours(model_dir: Path, seed: int, out: Path, *, extra: list[str] | None =
 
 
 # ---------------------------------------------------------------------------- TRL
-def trl_run(model_dir: Path, seed: int, out: Path) -> dict[str, Any]:
-    """TRL's ``GRPOTrainer`` on the same work (module docstring), in this process."""
+def trl_run(model_dir: Path, seed: int, out: Path, extra: list[str] | None = None
+            ) -> dict[str, Any]:
+    """TRL's ``GRPOTrainer`` on the same work (module docstring), in this process. ``extra``:
+    overrides of the preset, read as ours reads them; with ``model.lora.r`` set, TRL trains
+    PEFT adapters of the same ``r``, ``alpha``, ``dropout`` and ``target_modules`` through its
+    ``peft_config``, and the merged model is saved for the evaluator."""
     import datasets
     import torch
     import transformers
     from trl import GRPOConfig, GRPOTrainer
 
-    cfg = compose_cfg([f"model.pretrained_path={model_dir}", f"recipe.seed={seed}"])
+    cfg = compose_cfg([f"model.pretrained_path={model_dir}", f"recipe.seed={seed}",
+                       *(extra or [])])
     rc = cfg.recipe
+    lora = cfg.model.get("lora")
+    peft_config = None
+    if lora is not None and lora.get("r") is not None:
+        from peft import LoraConfig
+
+        targets = lora.get("target_modules")
+        peft_config = LoraConfig(
+            r=int(lora.r), lora_alpha=float(lora.alpha), lora_dropout=float(lora.dropout),
+            target_modules=targets if isinstance(targets, str) or targets is None
+            else list(targets), bias="none", task_type="CAUSAL_LM")
     if str(rc.optimizer) != "adamw":
         raise ValueError("the TRL side runs AdamW: keep recipe.optimizer=adamw")
     torch.set_num_threads(int(rc.num_threads))
@@ -157,23 +172,29 @@ def trl_run(model_dir: Path, seed: int, out: Path) -> dict[str, Any]:
         report_to=[], logging_steps=1,
         save_strategy="no", dataloader_num_workers=0, disable_tqdm=True, shuffle_dataset=False)
     trainer = GRPOTrainer(model=model, reward_funcs=[score], args=args, train_dataset=data,
-                          processing_class=tok)
+                          processing_class=tok, peft_config=peft_config)
     t0 = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - t0
-    trainer.save_model(str(out / "trl_policy"))
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    if peft_config is not None:  # the evaluator loads a plain transformers directory
+        trainer.model.merge_and_unload().save_pretrained(str(out / "trl_policy"))
+    else:
+        trainer.save_model(str(out / "trl_policy"))
     tok.save_pretrained(str(out / "trl_policy"))
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     return {"train_s": train_s, "rewards": rewards, "params_sha": sha,
-            "prompts_first": order[:4]}
+            "prompts_first": order[:4], "trainable_parameters": trainable}
 
 
-def run_trl(model_dir: Path, seed: int, out: Path, *, timeout_s: float = 3600) -> dict[str, Any]:
+def run_trl(model_dir: Path, seed: int, out: Path, *, extra: list[str] | None = None,
+            timeout_s: float = 3600) -> dict[str, Any]:
     """:func:`trl_run` in a fresh process: its figures and the process seconds."""
     env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1"}
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_real_model", "--trl",
-                           str(model_dir), "--seed", str(seed), "--out", str(out)], env=env,
+                           str(model_dir), "--seed", str(seed), "--out", str(out),
+                           *(f"--override={o}" for o in extra or [])], env=env,
                           capture_output=True, text=True, timeout=timeout_s, check=False,
                           cwd=ROOT)
     wall = time.perf_counter() - t0
@@ -365,10 +386,13 @@ def _cli(argv: list[str] | None = None) -> None:
     p.add_argument("--trl", type=Path, help="run TRL's side on this model dir (internal)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=OUT / "trl")
+    p.add_argument("--override", action="append", default=[],
+                   help="a Hydra override of the preset for TRL's side (internal)")
     args = p.parse_args(argv)
     if args.trl is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        print("RESULT " + json.dumps(trl_run(args.trl, args.seed, args.out)), flush=True)
+        print("RESULT " + json.dumps(trl_run(args.trl, args.seed, args.out, args.override)),
+              flush=True)
         return
     print(main()["markdown"])
 
