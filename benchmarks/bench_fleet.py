@@ -26,6 +26,10 @@ as a share of one core), the whole box's CPU, the receipts' bytes per step. Wher
 stops: the workers are threads in a few processes on the same 2 cores as the store, so past the
 point where the box's CPU is spent the figures measure the box, not the store (the tables say
 which runs reached that point).
+
+``--transferqueue`` adds the S = 1 and 2 runs at 4,096 tokens on ``tq/backend=transferqueue``
+(TransferQueue's controller and storage units, each configuration in a process and a Ray of its
+own, since TransferQueue starts once per cluster).
 """
 
 from __future__ import annotations
@@ -222,15 +226,20 @@ def rank_loop(client: Any, cfg: dict, rank: int, state: dict, out: dict, lock: t
 
 # ---------------------------------------------------------------- one run
 def _store_pids(client: Any) -> tuple[list[int], list[int]]:
-    """The controller's process (found among this driver's Ray processes) and the units'."""
-    units = [] if client.storage_units is None else client.storage_units.pids()
+    """The controller's processes (found among this driver's Ray processes: the Ray store's
+    actor, or TransferQueue's controller) and the storage units'."""
+    units_of = getattr(client, "storage_units", None)
+    units = [] if units_of is None else units_of.pids()
     controller = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if any("_StoreHost" in part for part in p.cmdline()):
-                controller.append(p.pid)
+            line = " ".join(p.cmdline())
         except psutil.Error:
             continue
+        if "_StoreHost" in line or "TransferQueueController" in line:
+            controller.append(p.pid)
+        elif "SimpleStorageUnit" in line:
+            units.append(p.pid)
     return controller, units
 
 
@@ -247,13 +256,20 @@ def _cpu_seconds(pids: list[int]) -> float:
 
 def run_fleet(hosts: list[Any], *, units: int, workers: int, ranks: int, seconds: float,
               fixed_len: int | None, tokens_per_s: float, group: int = 4, claim_rows: int = 16,
-              rows_per_step: int = 256, max_staleness: int = 1, seed: int = 0) -> dict:
+              rows_per_step: int = 256, max_staleness: int = 1, seed: int = 0,
+              backend: str = "ray") -> dict:
     import ray
 
     from tq_plugin.data_plane import RayDataPlane
 
-    client = RayDataPlane(f"fleet-{uuid.uuid4().hex[:8]}", actor_name="tq_fleet",
-                          num_storage_units=units, ray_init=RAY_INIT)
+    if backend == "transferqueue":
+        from tq_plugin.data_plane.backends.transferqueue import TransferQueueDataPlane
+
+        client = TransferQueueDataPlane(f"fleet-{uuid.uuid4().hex[:8]}", num_storage_units=units,
+                                        ray_init=RAY_INIT)
+    else:
+        client = RayDataPlane(f"fleet-{uuid.uuid4().hex[:8]}", actor_name="tq_fleet",
+                              num_storage_units=units, ray_init=RAY_INIT)
     part = f"{PARTITION}-{uuid.uuid4().hex[:6]}"
     client.register_partition(part, [], consumer_tasks=[TASK])
     client.register_partition(WEIGHTS, [])
@@ -310,7 +326,9 @@ def run_fleet(hosts: list[Any], *, units: int, workers: int, ranks: int, seconds
     }
 
 
-RAY_INIT = {"num_cpus": 2, "include_dashboard": False, "_node_ip_address": "127.0.0.1"}
+# Logical CPUs: TransferQueue's actors take one each (1 controller + 2 units); everything
+# else here takes none.
+RAY_INIT = {"num_cpus": 3, "include_dashboard": False, "_node_ip_address": "127.0.0.1"}
 
 
 def _hosts(procs: int) -> list[Any]:
@@ -349,10 +367,22 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tokens-per-s", type=float, default=20_000.0,
                    help="one mock engine's generation rate (the sleep before each group)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the S sweep")
+    p.add_argument("--transferqueue", action="store_true",
+                   default=os.environ.get("TQ_BENCH_FLEET_TQ") == "1",
+                   help="also run the S = 1, 2 workload on tq/backend=transferqueue, each in a "
+                        "process of its own (TQ_BENCH_FLEET_TQ=1 under run_all)")
+    p.add_argument("--tq-only", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args([] if argv is None else argv)
     load = os.getloadavg()
     hosts = _hosts(max(1, min(args.procs, args.workers)))
     common = {"ranks": args.ranks, "seconds": args.seconds}
+    if args.tq_only:  # one TransferQueue run, its figures as JSON on the last line
+        import json
+
+        print(json.dumps(run_fleet(hosts, units=args.tq_only, workers=args.workers,
+                                   fixed_len=4096, tokens_per_s=0, backend="transferqueue",
+                                   **common)))
+        return {}
     # 1. N grows, one store actor, realistic lengths and generation time.
     ns = sorted({n for n in (1, 4, 16, 64, 128, 256) if n <= args.workers} | {args.workers})
     sweep = [run_fleet(hosts, units=1, workers=n, fixed_len=None, tokens_per_s=args.tokens_per_s,
@@ -366,6 +396,18 @@ def main(argv: list[str] | None = None) -> dict:
         for s, runs in by_s.items():
             runs.append(run_fleet(hosts, units=s, workers=args.workers, fixed_len=4096,
                                      tokens_per_s=0, **common))
+    tq_runs: dict[int, dict] = {}
+    if args.transferqueue:  # each in a process (and a Ray) of its own: TransferQueue starts once
+        import json
+        import subprocess
+
+        for s in (1, 2):
+            proc = subprocess.run(
+                [sys.executable, "-m", "benchmarks.bench_fleet", "--tq-only", str(s),
+                 "--workers", str(args.workers), "--ranks", str(args.ranks),
+                 "--procs", str(args.procs), "--seconds", str(args.seconds)],
+                capture_output=True, text=True, timeout=600, check=True)
+            tq_runs[s] = json.loads(proc.stdout.strip().splitlines()[-1])
     load_after = os.getloadavg()
     first_10ms = next((r["workers"] for r in sweep if r["claim_p99"] > 10), None)
 
@@ -409,6 +451,23 @@ def main(argv: list[str] | None = None) -> dict:
         table(["S", "rows/s", "put MB/s", "vs S=1", "put p99 ms", "claim p99 ms",
                "controller CPU", "units CPU", "controller CPU ms per row", "box CPU"], shard_rows),
     ])
+    if tq_runs:
+        md += "\n\n" + "\n".join([
+            ("The same workload on `tq/backend=transferqueue` (TransferQueue 0.1.11, one run "
+             "each, after the Ray store's; its controller and storage units count as the store):"),
+            "",
+            table(["backend", "units", "rows/s", "put MB/s", "put p99 ms", "claim p99 ms",
+                   "controller CPU", "units CPU", "box CPU"],
+                  [["ray", str(s), f"{med(by_s[s], 'rows_s'):,.0f}", f"{med(by_s[s], 'put_mb_s'):,.1f}",
+                    f"{med(by_s[s], 'put_p99'):.1f}", f"{med(by_s[s], 'claim_p99'):.1f}",
+                    f"{100 * med(by_s[s], 'controller_cpu'):.0f}%",
+                    f"{100 * med(by_s[s], 'units_cpu'):.0f}%", f"{100 * med(by_s[s], 'box_cpu'):.0f}%"]
+                   for s in (1, 2)]
+                  + [["transferqueue", str(s), f"{r['rows_s']:,.0f}", f"{r['put_mb_s']:,.1f}",
+                      f"{r['put_p99']:.1f}", f"{r['claim_p99']:.1f}",
+                      f"{100 * r['controller_cpu']:.0f}%", f"{100 * r['units_cpu']:.0f}%",
+                      f"{100 * r['box_cpu']:.0f}%"] for s, r in tq_runs.items()]),
+        ])
     print(md)
     return {"markdown": md, "key_figures": {
         "fleet_ceiling_rows_256": f"{ceiling[0]['rows_s']:,.0f}",
