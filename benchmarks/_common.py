@@ -6,6 +6,7 @@ import csv
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -67,6 +68,45 @@ def interleaved(fns: dict[str, Callable[[], object]], *, runs: int = 9, warmup: 
 def ratios(numerator: list[float], denominator: list[float]) -> Stat:
     """Per-run ratios of two interleaved series (run i against run i)."""
     return Stat.of([a / b for a, b in zip(numerator, denominator)])
+
+
+def rounds_stat(rounds: Sequence[dict[str, list[float]]], num: str, den: str) -> Stat:
+    """Per round, median(``num``) / median(``den``) of its interleaved runs; then median
+    (min–max) over the rounds: the figure a loaded box moves least (not a best-case run)."""
+    return Stat.of([statistics.median(r[num]) / statistics.median(r[den]) for r in rounds])
+
+
+def _where(filename: str) -> str:
+    """A profile entry's file, short: the path below site-packages or the repository."""
+    for marker in ("site-packages/", "/tq_plugin/", "/benchmarks/"):
+        if marker in filename:
+            tail = filename.split(marker, 1)[1]
+            return tail if marker == "site-packages/" else marker.strip("/") + "/" + tail
+    stdlib = re.search(r"/lib/python3\.\d+/(.*)", filename)
+    return stdlib.group(1) if stdlib else filename
+
+
+def profile_table(fn: Callable[[], object], *, ops: int, top: int = 15) -> tuple[str, float]:
+    """cProfile of ``fn``, which runs ``ops`` operations: the ``top`` entries by own time as a
+    Markdown table per operation (calls, own µs, cumulative µs), and the profiled µs per
+    operation (cProfile's own overhead included: per-call Python costs show larger than they
+    run, so read the shares, not the sum)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    stats = pstats.Stats(prof)
+    entries = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]  # type: ignore[attr-defined]
+    rows = []
+    for (filename, line, name), (_cc, calls, own, cumulative, _callers) in entries:
+        where = name if filename == "~" else f"{_where(filename)}:{line} {name}"
+        rows.append([f"`{where}`", f"{calls / ops:,.1f}", f"{own / ops * 1e6:,.1f}",
+                     f"{cumulative / ops * 1e6:,.1f}"])
+    text = table(["function", "calls / op", "own µs / op", "cumulative µs / op"], rows)
+    return text, stats.total_tt / ops * 1e6  # type: ignore[attr-defined]
 
 
 def machine() -> str:

@@ -26,10 +26,11 @@ import time
 
 import torch
 
-from benchmarks._common import Stat, interleaved, ratios, table
+from benchmarks._common import Stat, interleaved, profile_table, ratios, rounds_stat, table
 from tq_plugin.data_plane import LocalDataPlane, nested_from_lengths, payload_bytes
 
 FIELDS = ["input_ids", "generation_logprobs", "reward"]
+TARGET = 0.35  # cycle / copy at 1024 rows, hot caches
 
 
 def rollout_batch(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -93,9 +94,21 @@ def _cpu_timed(fn, into: list[float]):
     return run
 
 
-def measure(n: int, runs: int = 9) -> dict[str, object]:
+def _round(group: dict, *, cold: bool, runs: int) -> tuple[dict[str, list[float]],
+                                                           dict[str, list[float]]]:
+    """One round of ``group``'s contenders taking turns (``cold``: caches evicted before each):
+    wall seconds and this process's CPU seconds per run."""
+    if cold:
+        group = {k: (lambda f=f: (evict_caches(), f())[1]) for k, f in group.items()}
+    spent: dict[str, list[float]] = {name: [] for name in group}
+    timed = interleaved({k: _cpu_timed(f, spent[k]) for k, f in group.items()}, runs=runs)
+    return timed, {k: v[-runs:] for k, v in spent.items()}
+
+
+def measure(n: int, runs: int = 9, rounds: int = 5) -> dict[str, object]:
     """Register + put + get + clear of the standard batch, interleaved with a plain copy of the
-    same bytes (and with two copies: the floor of a store that copies in and out)."""
+    same bytes, in ``rounds`` rounds of ``runs`` (and, once, with two copies: the floor of a
+    store that copies in and out, the shuffled read, the row-dict store)."""
     batch = rollout_batch(n)
     nbytes = payload_bytes(batch)
     ids = [f"uid{i}_g0" for i in range(n)]
@@ -133,38 +146,53 @@ def measure(n: int, runs: int = 9) -> dict[str, object]:
     out: dict[str, object] = {"rows": n, "payload_mb": nbytes / 1e6}
     for cold in (False, True):
         tag = "cold" if cold else "hot"
-        # The headline: the cycle and the copy taking turns, nothing else in between. Then the
-        # context: the same copy against two copies, the cycle with its memory returned to the
-        # OS at every clear, a shuffled read and the row-dict store, taking turns among them.
-        groups = (
-            {"copy": copy, "put_get": put_get(ids)},
-            {"copy": copy, "two_copies": two_copies, "returned": put_get(ids, fresh=True),
-             "shuffled": put_get(shuffled), "rowdict": rowdict_put_get},
-        )
-        t: dict[str, list[float]] = {}
-        cpu: dict[str, list[float]] = {}
-        for group in groups:
-            if cold:
-                group = {k: (lambda f=f: (evict_caches(), f())[1]) for k, f in group.items()}
-            spent: dict[str, list[float]] = {name: [] for name in group}
-            timed = interleaved({k: _cpu_timed(f, spent[k]) for k, f in group.items()}, runs=runs)
-            name = "copy" if not t else "copy2"
-            t.update({(name if k == "copy" else k): v for k, v in timed.items()})
-            cpu.update({(name if k == "copy" else k): v[-runs:] for k, v in spent.items()})
-        best = {k: min(v) for k, v in t.items()}
+
+        # The headline: the cycle and the copy taking turns, nothing else in between, in
+        # `rounds` rounds; each round's figure is its median copy over its median cycle.
+        head = [_round({"copy": copy, "put_get": put_get(ids)}, cold=cold, runs=runs)
+                for _ in range(rounds)]
+        # The context, one round: the same copy against two copies, the cycle with its memory
+        # returned to the OS at every clear, a shuffled read and the row-dict store.
+        t, _ = _round({"copy": copy, "two_copies": two_copies, "returned": put_get(ids, fresh=True),
+                       "shuffled": put_get(shuffled), "rowdict": rowdict_put_get},
+                      cold=cold, runs=runs)
+        copies = [x for wall, _ in head for x in wall["copy"]]
+        cycles = [x for wall, _ in head for x in wall["put_get"]]
         out[tag] = {
-            "copy_mb_s": Stat.of(t["copy"]).map(lambda x: nbytes / 1e6 / x),
-            "put_get_ms": Stat.of(t["put_get"]).map(lambda x: x * 1e3),
-            "ratio": ratios(t["copy"], t["put_get"]),
-            "ratio_best": best["copy"] / best["put_get"],
-            "cpu_ratio_best": min(cpu["copy"]) / min(cpu["put_get"]),
-            "returned_best": best["copy2"] / best["returned"],
-            "two_copies_ratio": ratios(t["copy2"], t["two_copies"]),
-            "shuffled_ratio": ratios(t["copy2"], t["shuffled"]),
-            "rowdict_ratio": ratios(t["copy2"], t["rowdict"]),
+            "copy_mb_s": Stat.of(copies).map(lambda x: nbytes / 1e6 / x),
+            "copy_ms": statistics.median(copies) * 1e3,
+            "put_get_ms": Stat.of(cycles).map(lambda x: x * 1e3),
+            "ratio": rounds_stat([wall for wall, _ in head], "copy", "put_get"),
+            "cpu_ratio": rounds_stat([cpu for _, cpu in head], "copy", "put_get"),
+            "ratio_best": min(copies) / min(cycles),
+            "returned_best": min(t["copy"]) / min(t["returned"]),
+            "two_copies_ratio": ratios(t["copy"], t["two_copies"]),
+            "shuffled_ratio": ratios(t["copy"], t["shuffled"]),
+            "rowdict_ratio": ratios(t["copy"], t["rowdict"]),
         }
     dp.close()
     return out
+
+
+def profile_cycle(n: int, cycles: int = 200) -> tuple[str, float]:
+    """cProfile of ``cycles`` back-to-back cycles (register + put + get + clear, hot caches):
+    the top entries per cycle, and the profiled µs per cycle."""
+    batch = rollout_batch(n)
+    ids = [f"uid{i}_g0" for i in range(n)]
+    dp = LocalDataPlane()
+
+    def cycle() -> None:
+        dp.register_partition("train", FIELDS)
+        dp.put_samples(partition_id="train", sample_ids=ids, fields=batch)
+        dp.get_samples(partition_id="train", sample_ids=ids, select_fields=FIELDS)
+        dp.clear_samples(partition_id="train", sample_ids=ids)
+
+    for _ in range(5):
+        cycle()
+    try:
+        return profile_table(lambda: [cycle() for _ in range(cycles)], ops=cycles)
+    finally:
+        dp.close()
 
 
 def spaced_steps(n: int, pause_s: float = 2.5, steps: int = 5) -> dict[str, float]:
@@ -304,6 +332,7 @@ def main(sizes: tuple[int, ...] = (1024, 4096)) -> dict:
     try:
         results = [measure(n) for n in sizes]
         spaced = spaced_steps(min(sizes))
+        profile, profiled_us = profile_cycle(min(sizes))
     finally:
         torch.set_num_threads(threads)
     rss = peak_rss_ratio(max(sizes))
@@ -315,14 +344,20 @@ def main(sizes: tuple[int, ...] = (1024, 4096)) -> dict:
             m = r[tag]
             rows.append([
                 r["rows"], tag, f"{r['payload_mb']:.1f}", m["copy_mb_s"].fmt(),
-                m["put_get_ms"].fmt(".1f"), f"**{m['ratio_best']:.2f}**", f"{m['cpu_ratio_best']:.2f}",
-                m["ratio"].fmt(".2f"),
+                m["put_get_ms"].fmt(".1f"), f"**{m['ratio'].fmt('.2f')}**",
+                m["cpu_ratio"].fmt(".2f"), f"{m['ratio_best']:.2f}",
                 f"{m['returned_best']:.2f}", m["two_copies_ratio"].fmt(".2f"),
                 m["shuffled_ratio"].fmt(".2f"), m["rowdict_ratio"].fmt(".2f"),
             ])
     small = next(r for r in results if r["rows"] == min(sizes))
+    large = next(r for r in results if r["rows"] == max(sizes))
+    hot = small["hot"]
+    allowed_ms = hot["copy_ms"] / TARGET
     o1, o16 = overwrite[1024], overwrite[16384]
     d4, d16 = drain[4096], drain[16384]
+    verdict = ", ".join(
+        f"{name} {'meets' if stat.median >= TARGET else 'misses'} it"
+        for name, stat in (("wall", hot["ratio"]), ("CPU", hot["cpu_ratio"])))
     md = [
         "### Data plane: a step's store cycle vs a plain copy of the same bytes (LocalDataPlane)",
         "",
@@ -330,33 +365,33 @@ def main(sizes: tuple[int, ...] = (1024, 4096)) -> dict:
          "standard rollout batch (jagged int64 ids + float32 logprobs, lengths U(100, 2000), "
          "float32 reward), read every row back (in put order, or shuffled as a data-parallel "
          "shard would) and clear it. *copy* clones the same three buffers; *two copies* clones "
-         "them twice (what a store that copies in and out cannot beat). The cycle and the copy "
-         "take turns, 9 runs each, in one process: the headline compares the best cycle with "
-         "the best copy, the next column the same in this process's CPU time (steadier on a "
-         "shared machine), then the per-run ratios as median (min–max). The other columns "
-         "come from a second round in which the copy, two copies, the cycle with its memory "
-         "returned, the shuffled read and the row-dict store take turns. *Memory returned*: "
-         "the cycle as it ran "
-         "when a clear handed its buffers back to the OS (the pool kept them 2 s; a step is "
-         "longer), so the next put faults fresh pages in; the pool now keeps them for the next "
-         "step until it is idle (30 s) or over its bound (256 MiB). *cold*: a 64 MiB buffer is "
-         "written before every run; *hot*: back to back. One torch thread (copies included). "
-         "Target: cycle / copy ≥ 0.35 at 1024 rows. Load average when the run started: "
-         f"{load:.1f} on this 2-core box (other jobs ran; where that is so, run it in a "
-         "scheduling group of its own at a higher priority, as here: `setsid sh -c 'echo -15 "
-         "> /proc/self/autogroup; python -m benchmarks.run_all bench_data_plane'`)."),
+         "them twice (what a store that copies in and out cannot beat). The headline: the cycle "
+         "and the copy take turns, 9 runs each, in 5 rounds in one process; each round's figure "
+         "is its median copy over its median cycle, and the table gives the median (min–max) "
+         "over the rounds, in wall time and in this process's CPU time (steadier on a shared "
+         "machine); *best / best* is the best copy over the best cycle of all rounds, the "
+         "figure this section used to lead with (it follows the luckiest copy). The other "
+         "columns come from one more round in which the copy, two copies, the cycle with its "
+         "memory returned, the shuffled read and the row-dict store take turns. *Memory "
+         "returned*: the cycle as it ran when a clear handed its buffers back to the OS, so "
+         "the next put faults fresh pages in; the pool keeps them for the next step until it "
+         "is idle (30 s) or over its bound (256 MiB). *cold*: a 64 MiB buffer is written "
+         "before every run; *hot*: back to back. One torch thread (copies included). Target: "
+         f"cycle / copy ≥ {TARGET} at 1024 rows. Load average when the run started: {load:.1f} "
+         "on this 2-core box."),
         "",
         table(
-            ["rows", "caches", "payload MB", "copy MB/s", "cycle ms", "cycle / copy, best of 9",
-             "in CPU time, best of 9", "cycle / copy per run", "memory returned: best / best", "two copies / copy",
-             "shuffled / copy", "row-dict store / copy"],
+            ["rows", "caches", "payload MB", "copy MB/s", "cycle ms",
+             "cycle / copy, median of rounds", "in CPU time", "best / best",
+             "memory returned: best / best", "two copies / copy", "shuffled / copy",
+             "row-dict store / copy"],
             rows,
         ),
         "",
         (f"Steps apart: with a {spaced['pause_s']:.1f} s pause before each of {spaced['steps']} "
-         f"cycles (a step's generation and training; longer than the 2 s freed buffers used to "
-         f"be kept), best cycle {spaced['cycle_ms']:.1f} ms, **{spaced['ratio_best']:.2f}** of "
-         "the copy taken right before each: the buffers the last clear freed are reused."),
+         f"cycles (a step's generation and training), best cycle {spaced['cycle_ms']:.1f} ms, "
+         f"**{spaced['ratio_best']:.2f}** of the copy taken right before each: the buffers the "
+         "last clear freed are reused."),
         "",
         (f"Peak RSS growth of a put/get/clear loop at {rss['rows']} rows (median of 3 fresh "
          f"processes): **{rss['ratio']:.2f}×** the {rss['payload_mb']:.0f} MB payload counting "
@@ -365,13 +400,22 @@ def main(sizes: tuple[int, ...] = (1024, 4096)) -> dict:
          "store's one copy (reads in put order are views, so a read adds nothing but its "
          "offsets and wrappers)."),
         "",
-        (f"What limits the cycle at 1024 rows with hot caches: the copy moves 13 MB at L3 speed "
-         f"({small['hot']['copy_mb_s'].median:,.0f} MB/s here), while the cycle "
-         f"({small['hot']['put_get_ms'].median:.1f} ms median) is the store's one copy plus "
-         "fixed per-call work (validation, the id → slot map of 1,024 rows, two jagged "
-         "nested tensors at ~60 µs each, the clear). A fresh 13 MB map costs ~9 ms of page "
-         "faults here, 20× the copy: the *memory returned* column. With cold caches, or at "
-         "4096 rows where both run at memory speed, the cycle passes the target by more."),
+        (f"Where the cycle stands at 1024 rows, hot: {hot['ratio'].fmt('.2f')} over rounds in "
+         f"wall time and {hot['cpu_ratio'].fmt('.2f')} in this process's CPU time, against "
+         f"the target of {TARGET} ({verdict}; the wall figure also holds the time other "
+         f"processes held the cores, load average {load:.1f} here). The copy moves "
+         f"{small['payload_mb']:.1f} MB in {hot['copy_ms']:.2f} ms (median), so the target "
+         f"allows a cycle of {allowed_ms:.2f} ms; the cycle's median is "
+         f"{hot['put_get_ms'].median:.2f} ms: the store's one copy of the bytes plus fixed "
+         "per-call work, which the profile below lists (validation of ids and fields, the "
+         "column writes, the nested-tensor views a read hands out). With cold caches, or at "
+         "4096 rows where both run at memory speed, the ratio is higher "
+         f"({small['cold']['ratio'].median:.2f} cold, {large['hot']['ratio'].median:.2f} at "
+         "4096 rows hot). Where one cycle's time goes (cProfile of 200 back-to-back cycles, "
+         "per cycle; the top entries by own time; the profile's own total is "
+         f"{profiled_us:,.0f} µs a cycle, and its overhead inflates the Python-heavy entries):"),
+        "",
+        profile,
         "",
         "Costs that must not grow with the partition (per operation, median (min–max) of 5 runs):",
         "",
@@ -387,8 +431,24 @@ def main(sizes: tuple[int, ...] = (1024, 4096)) -> dict:
     ]
     text = "\n".join(md)
     print(text)
-    return {"markdown": text, "results": results, "spaced": spaced, "rss": rss,
-            "overwrite_us": overwrite, "claim_drain_ms": drain}
+    figures = {
+        "cycle_hot": hot["ratio"].fmt(".2f"),
+        "cycle_hot_cpu": hot["cpu_ratio"].fmt(".2f"),
+        "cycle_hot_best": f"{hot['ratio_best']:.2f}",
+        "load": f"{load:.1f}",
+        "cycle_cold": small["cold"]["ratio"].fmt(".2f"),
+        "cycle_4096_hot": large["hot"]["ratio"].fmt(".2f"),
+        "steps_apart": f"{spaced['ratio_best']:.2f}",
+        "rss_growth": f"{rss['ratio']:.2f}×",
+        "writeback_small_us": o1.fmt(".0f"),
+        "writeback_large_us": o16.fmt(".0f"),
+        "writeback_ratio": f"{o16.median / o1.median:.2f}",
+        "drain_small_ms": d4.fmt(".1f"),
+        "drain_large_ms": d16.fmt(".1f"),
+        "drain_ratio": f"{d16.median / d4.median:.2f}",
+    }
+    return {"markdown": text, "key_figures": figures, "results": results, "spaced": spaced,
+            "rss": rss, "overwrite_us": overwrite, "claim_drain_ms": drain}
 
 
 if __name__ == "__main__":
