@@ -306,12 +306,15 @@ def cached_decode(step: CachedStep, prompts: Sequence[Sequence[int]], params: Sa
     return completions(out_tok, out_lp, n_new, out_ver)
 
 
-def copy_named(model: torch.nn.Module, weights: NamedWeights, *, engine: str) -> None:
+def copy_named(model: torch.nn.Module, weights: NamedWeights, *, engine: str,
+               own: dict[str, torch.nn.Parameter] | None = None) -> None:
     """Copy ``weights`` into ``model``'s parameters by name; every synced parameter
     (:func:`synced_parameters`: all of them, or a LoRA model's adapters) must be named with its
     shape, checked before anything is copied. ``StreamedWeights`` are checked by their announced
-    shapes and copied as they stream (each tensor dropped before the next is made)."""
-    own = dict(synced_parameters(model))
+    shapes and copied as they stream (each tensor dropped before the next is made). ``own``:
+    ``dict(synced_parameters(model))`` kept by an engine whose model's parameters never change
+    (else it is found again on each call)."""
+    own = dict(synced_parameters(model)) if own is None else own
     if isinstance(weights, StreamedWeights):
         shapes, stream = weights.shapes, iter(weights)
     else:
@@ -325,6 +328,11 @@ def copy_named(model: torch.nn.Module, weights: NamedWeights, *, engine: str) ->
     if wrong:
         raise ValueError(f"engine={engine}: update_weights shapes differ for {wrong[:3]}")
     with torch.no_grad():
+        if not isinstance(weights, StreamedWeights):  # one fused copy of every tensor
+            pairs = [(own[n], t) for n, t in given.items() if t is not own[n]]
+            if pairs:
+                torch._foreach_copy_([d for d, _ in pairs], [t for _, t in pairs])
+            return
         for name, tensor in stream:
             if tensor is not own[name]:  # the colocated native engine serves the policy itself
                 own[name].copy_(tensor)

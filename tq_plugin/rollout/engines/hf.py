@@ -29,6 +29,7 @@ from tq_plugin.rollout.engine import (
     SamplingParams,
     cached_decode,
     copy_named,
+    synced_parameters,
 )
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -87,6 +88,9 @@ class HFEngine:
     def __init__(self, checkpoint: str | Path, *, dtype: str = "float32",
                  weight_version: int = 0) -> None:
         self.model: torch.nn.Module | None = load_checkpoint_model(checkpoint, dtype)
+        # The parameters a sync copies into, by name: the engine's own model never changes
+        # them after loading, and walking a LoRA model's ~1,000 modules took 5 of a sync's 7.6 ms.
+        self.synced = dict(synced_parameters(self.model))
         self.weight_version = weight_version
         # In-flight weight updates (``recipe.inflight_updates``): set by the rollout worker.
         self.inflight: InflightUpdates | None = None
@@ -105,11 +109,14 @@ class HFEngine:
     def update_weights(self, weights: NamedWeights, *, version: int) -> None:
         """Copy ``weights`` (the checkpoint's parameter names; a LoRA policy's: its adapter's
         only, onto the frozen base loaded at the start) in place."""
-        copy_named(self.model, weights, engine=self.name)
+        if self.model is None:
+            raise RuntimeError("engine=hf: update_weights after close")
+        copy_named(self.model, weights, engine=self.name, own=self.synced)
         self.weight_version = version
 
     def close(self) -> None:
         self.model = None
+        self.synced = {}
 
 
 __all__ = ["DTYPES", "HFEngine", "load_checkpoint_model", "transformers_step", "with_adapter"]
