@@ -344,6 +344,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     learned = None
     if os.environ.get("TQ_BENCH_LORA_LEARN", "1") == "1":
         learned = learning()
+        for arm in learned.values():  # an older run's result.json may not have the count
+            if not arm.get("trainable_parameters"):
+                arm["trainable_parameters"] = (full if arm is learned["full fine-tuning"]
+                                               else lora)["trainable"]
         text, learned_figures = learning_markdown(learned)
         markdown += "\n\n" + text
         figures.update(learned_figures)
