@@ -15,12 +15,15 @@ Must hold, with the figures printed (``pytest -s`` or ``-rA``):
 * a retried operation (stage, fetch, ``finalize_group`` with and without ``clear_staged``,
   ``first_write``/``write_columns``/``read_columns``, the Lightning callback's write-back and
   clear) converges to the fault-free result.
+
+The schedules run on ``LocalDataPlane`` (1,000 of each); the slow
+:func:`test_the_schedules_hold_over_ray_data_plane` runs the first ``RAY_SCHEDULES`` of each
+again over ``RayDataPlane`` (a store of its own per schedule in the tests' Ray actor).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import itertools
 import logging
 import random
@@ -43,6 +46,7 @@ from tq_plugin.data_plane import (
     read_columns,
     write_columns,
 )
+from tq_plugin.data_plane.client import accepts_put_mode
 from tq_plugin.lightning import MICROBATCH_INFO, STEP_SAMPLE_IDS, DataPlaneCallback
 from tq_plugin.staging import (
     STATUS_TAG,
@@ -57,6 +61,9 @@ from tq_plugin.staging import (
 from tq_plugin.staging.reassembler import REASSEMBLED_FIELDS, REASSEMBLED_MEDIA_FIELDS
 
 SCHEDULES = 1000
+RAY_SCHEDULES = 40
+# The store a schedule runs on (a factory): LocalDataPlane, or RayDataPlane in the Ray test.
+STORE: Callable[[], Any] = LocalDataPlane
 MAX_ATTEMPTS = 20  # a schedule injects at most 6 faults, so 7 attempts always suffice
 STAGING, TRAIN = "rollout_staging", "train"
 
@@ -173,11 +180,8 @@ class FaultyModeClient(FaultyClient):
 
 
 def faulty(inner: Any, rng: random.Random) -> FaultyClient:
-    cls = (
-        FaultyModeClient
-        if "mode" in inspect.signature(inner.put_samples).parameters
-        else FaultyClient
-    )
+    # the sink's and column I/O's own test (RayDataPlane's put forwards **options)
+    cls = FaultyModeClient if accepts_put_mode(inner) else FaultyClient
     return cls(inner, rng, rate=rng.choice((0.1, 0.25, 0.4)), budget=rng.randint(1, 6))
 
 
@@ -245,7 +249,7 @@ def _fault_free(picked: list[int], missing: set[str], media: bool) -> tuple[Any,
     """The same scenario on a healthy store: its meta and training rows (cached)."""
     key = (tuple(picked), frozenset(missing), media)
     if key not in REFERENCE:
-        store = LocalDataPlane()
+        store = STORE()
         sink, attach = _setup(store, store, media)
         for i in picked:
             for n, rec in enumerate(POOL[i]):
@@ -313,7 +317,7 @@ def _stage(sink, store, rec, acked, figures, kw, *, must_fail=False) -> None:
 
 def _staging_schedule(seed: int, figures: Counter[str], injected: Counter) -> None:
     rng = random.Random(seed)
-    store = LocalDataPlane()
+    store = STORE()
     client = faulty(store, rng)
     media = rng.random() < 0.25
     sink, attach = _setup(client, store, media)
@@ -436,7 +440,7 @@ def _batch(rng: random.Random, n: int) -> tuple[dict[str, torch.Tensor], list[in
 
 def _column_io_schedule(seed: int, figures: Counter[str], injected: Counter) -> None:
     rng = random.Random(seed)
-    store = LocalDataPlane()
+    store = STORE()
     store.register_partition(partition_id=TRAIN, fields=[])  # an open schema
     client = faulty(store, rng)
     n = rng.randint(1, 4)
@@ -474,7 +478,7 @@ def test_column_io_under_randomized_faults() -> None:
 # ------------------------------------------------------------------ the Lightning callback
 def _callback_schedule(seed: int, figures: Counter[str], injected: Counter) -> None:
     rng = random.Random(seed)
-    store = LocalDataPlane()
+    store = STORE()
     store.register_partition(partition_id=TRAIN, fields=[])  # an open schema
     n = 4
     batch, lengths = _batch(rng, n)
@@ -526,3 +530,43 @@ def _callback_schedule(seed: int, figures: Counter[str], injected: Counter) -> N
 @pytest.mark.timeout(300)
 def test_lightning_callback_under_randomized_faults() -> None:
     _run_suite("Lightning DataPlaneCallback: write-back and step clear", _callback_schedule)
+
+
+# ------------------------------------------------------------------ the same over Ray
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_schedules_hold_over_ray_data_plane(ray_session) -> None:
+    """The first RAY_SCHEDULES schedules of each suite over RayDataPlane: every call crosses
+    to the store actor, so a fault the wrapper injects lands between the client and a real
+    remote store; the invariants are the ones checked over the embedded store."""
+    import uuid
+
+    from tq_plugin.data_plane.backends.ray_actor import RayDataPlane
+
+    opened: list[Any] = []
+
+    def ray_store() -> Any:
+        opened.append(RayDataPlane(f"faults-{uuid.uuid4().hex[:8]}", actor_name="tq_plugin_tests"))
+        return opened[-1]
+
+    suites = {"token staging": _staging_schedule, "column I/O": _column_io_schedule,
+              "Lightning DataPlaneCallback": _callback_schedule}
+    global STORE
+    saved, STORE = STORE, ray_store
+    REFERENCE.clear()  # the fault-free results, computed again on the Ray store
+    try:
+        for title, schedule in suites.items():
+            figures: Counter[str] = Counter()
+            injected: Counter = Counter()
+            for seed in range(RAY_SCHEDULES):
+                try:
+                    schedule(seed, figures, injected)
+                finally:
+                    while opened:
+                        opened.pop().close()
+                figures["schedules run"] += 1
+            _report(f"{title} over RayDataPlane", figures, injected)
+            assert figures["schedules run"] == RAY_SCHEDULES and sum(injected.values()) > 0
+    finally:
+        STORE = saved
+        REFERENCE.clear()
