@@ -130,10 +130,10 @@ def test_the_dataset_cursor_resumes_from_the_checkpoint(monkeypatch, tmp_path, t
     stopped = _recipe(tmp_path / "stopped", task)
     hook = stopped.step_hooks.after_microbatch
 
-    def stop_in_step_two(trainer, meta, stats):
+    def stop_in_step_two(trainer, meta, stats, dp=None):
         if meta.extra_info[MICROBATCH_INFO]["step"] == 2:
             stopped.sigterm.stop = True  # what SIGTERM leads to: a checkpoint, then exit 143
-        hook(trainer, meta, stats)
+        hook(trainer, meta, stats, dp)
 
     stopped.step_hooks.after_microbatch = stop_in_step_two
     with pytest.raises(SystemExit):
