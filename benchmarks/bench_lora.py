@@ -167,17 +167,15 @@ def _differences(old: Any, new: Any, path: str = "") -> list[str]:
 def _finished_ours(out: Path, extra: list[str]) -> dict[str, Any] | None:
     """A run dir of :func:`benchmarks.bench_real_model.run_ours` that finished with ``extra``
     and whose saved config is what the preset composes today (else it is run again)."""
-    import csv
-
     import yaml
     from omegaconf import OmegaConf
 
-    from benchmarks.bench_real_model import compose_cfg
+    from benchmarks.bench_real_model import compose_cfg, read_run
 
     try:
         said = yaml.safe_load((out / ".hydra" / "overrides.yaml").read_text())
         saved = yaml.safe_load((out / ".hydra" / "config.yaml").read_text())
-        result = json.loads((out / "result.json").read_text())
+        result, _, curve = read_run(out)
     except (OSError, ValueError):
         return None
     if result.get("status") != "ok" or not set(extra) <= set(said):
@@ -186,11 +184,7 @@ def _finished_ours(out: Path, extra: list[str]) -> dict[str, Any] | None:
     if _differences({k: saved.get(k) for k in ("task", "model", "recipe", "engine", "tq")},
                     now):
         return None
-    with open(out / "metrics.csv") as f:
-        rows = list(csv.DictReader(f))
-    return {"curve": [(int(r["step"]), float(r["eval/accuracy"])) for r in rows
-                      if r.get("eval/accuracy")],
-            "final": result.get("eval", {}), "wall_s": float(result.get("wall_s", 0)),
+    return {"curve": curve, "final": result.get("eval", {}), "wall_s": float(result.get("wall_s", 0)),
             "trainable_parameters": result.get("trainable_parameters"), "run_dir": str(out)}
 
 

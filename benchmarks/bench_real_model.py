@@ -105,15 +105,22 @@ def run_ours(model_dir: Path, seed: int, out: Path, *, extra: list[str] | None =
     if proc.returncode:
         raise RuntimeError(f"tq-train {' '.join(overrides)} exited {proc.returncode}: "
                            f"{proc.stderr[-3000:]}")
-    result = json.loads((out / "result.json").read_text())
-    with open(out / "metrics.csv") as f:
-        rows = list(csv.DictReader(f))
-    curve = [(int(r["step"]), float(r["eval/accuracy"])) for r in rows if r.get("eval/accuracy")]
+    result, rows, curve = read_run(out)
     return {"wall_s": wall, "run_s": float(result.get("wall_s", wall)), "rows": rows,
             "curve": curve, "final": result.get("eval", {}), "overrides": overrides,
             "reward": [float(r["reward"]) for r in rows],
             "phases": {k: sum(float(r[k]) for r in rows) / len(rows)
                        for k in ("rollout_s", "prepare_s", "train_s")}}
+
+
+def read_run(out: Path) -> tuple[dict[str, Any], list[dict[str, str]], list[tuple[int, float]]]:
+    """A finished run dir's ``result.json``, ``metrics.csv`` rows and held-out accuracy curve
+    (step, accuracy)."""
+    result = json.loads((out / "result.json").read_text())
+    with open(out / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    curve = [(int(r["step"]), float(r["eval/accuracy"])) for r in rows if r.get("eval/accuracy")]
+    return result, rows, curve
 
 
 # ---------------------------------------------------------------------------- TRL

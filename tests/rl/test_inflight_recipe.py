@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import csv
 import json
-import logging
 
 import pytest
 from hydra import compose, initialize_config_module
-from hydra.core.global_hydra import GlobalHydra
 
 from tq_plugin.rl.recipe import RLRecipe
 
@@ -18,20 +16,12 @@ RAY = ["tq/backend=ray", "recipe.topology=disaggregated", "recipe.max_staleness=
        "recipe.inflight_updates=true", "trainer.enable_progress_bar=false"]
 
 
-@pytest.fixture
-def _clean_hydra():
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    GlobalHydra.instance().clear()
-    yield
-    GlobalHydra.instance().clear()
-
-
 def _compose(*overrides: str):
     with initialize_config_module(config_module="tq_plugin.conf", version_base="1.3"):
         return compose("grpo", overrides=list(overrides))
 
 
-@pytest.mark.usefixtures("_clean_hydra")
+@pytest.mark.usefixtures("fresh_hydra")
 @pytest.mark.parametrize(("overrides", "match"), [
     (["recipe.inflight_updates=true"],
      "recipe.inflight_updates=true: recipe.topology=colocated generates every step"),
@@ -47,7 +37,7 @@ def test_inflight_updates_are_refused_where_they_cannot_run(tmp_path, overrides,
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.usefixtures("_clean_hydra")
+@pytest.mark.usefixtures("fresh_hydra")
 def test_two_workers_take_weights_mid_generation_within_the_bound(tmp_path, ray_session):
     """Completions long enough (up to 48 tokens, one PPO epoch a step) that the trainer
     publishes while the workers decode: rows span two versions, every token within the bound."""
