@@ -299,3 +299,31 @@ def test_the_backend_config_builds_a_journaled_store_and_refuses_an_unknown_sync
     for schema in (BackendConfig, RayBackendConfig):
         with pytest.raises(ConfigError, match="tq.backend.journal_sync"):
             schema(journal_sync="sometimes")
+
+
+def test_a_put_the_journal_failed_to_write_is_never_read_back(tmp_path, monkeypatch) -> None:
+    """A journal write that fails (a full disk) fails the put and stops the store, reads
+    included: the row landed in memory before its record, and a caller reading it back after
+    the error (as the sink does after a failed put) would take it for acknowledged. Reopened
+    from the journal, the store holds what was acknowledged and not the failed put."""
+    from tq_plugin.data_plane.backends import _journal
+
+    dp = LocalDataPlane(journal_dir=tmp_path, journal_sync="always")
+    dp.register_partition(partition_id="p", fields=[])
+    dp.put_samples(partition_id="p", sample_ids=["a"], fields={"x": torch.ones(1, 3)})
+
+    def full_disk(fd, pieces):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_journal, "_writev_all", full_disk)
+    with pytest.raises(JournalError, match="No space left"):
+        dp.put_samples(partition_id="p", sample_ids=["b"], fields={"x": torch.zeros(1, 3)})
+    for call in (lambda: dp.get_samples(partition_id="p", sample_ids=["b"], select_fields=["x"]),
+                 lambda: dp.list_sample_ids("p")):
+        with pytest.raises(JournalError, match="takes no more writes"):
+            call()
+    monkeypatch.undo()
+    _abandon(dp)
+    again = LocalDataPlane(journal_dir=tmp_path)
+    assert again.list_sample_ids("p") == ["a"]
+    again.close()

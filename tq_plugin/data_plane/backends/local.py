@@ -122,6 +122,10 @@ class LocalDataPlane(WritePath, RowBuffer, TaskCursors, Journaled):
     def _require_open(self) -> None:
         if self._closed:
             raise DataPlaneClosedError("LocalDataPlane is closed; create a new client")
+        if self._journal is not None and self._journal.failed is not None:
+            # fail-stop, reads too: the write that failed to journal landed in memory first,
+            # and a caller that reads it back would take it for acknowledged, not durable
+            self._journal.check_usable()
 
     def _partition(self, partition_id: str, *, flush: bool = True) -> Partition:
         """The partition (with its buffered one-row puts written, unless ``flush=False``)."""
