@@ -142,3 +142,33 @@ def test_bad_inflight_settings_are_refused_naming_the_key() -> None:
         InflightUpdates(poll=lambda: False, chunk_tokens=0)
     with pytest.raises(ValueError, match="recipe.inflight.kv"):
         InflightUpdates(poll=lambda: False, kv="drop")
+
+
+def test_a_multi_turn_rollout_takes_new_weights_between_turns(tmp_path) -> None:
+    """The rollout worker lets the engine look for new weights before each call after the
+    first: the pattern task's second turn is admitted at, and generated with, the new version,
+    so the row's ledger spans both (chunks longer than a call: no poll within one)."""
+    from tq_plugin.data_plane import LocalDataPlane
+    from tq_plugin.rl.tasks.pattern import EOS
+    from tq_plugin.rollout import RolloutWorker
+    from tq_plugin.staging import TQTokenSource
+    from tq_plugin.staging.factory import build_token_sink
+
+    assert TASK.turns == 2
+    old, new = make_policy(), make_policy(seed=1)
+    engine = _engine("native", old, tmp_path)
+    poll, calls = _switch_once(engine, new)
+    engine.inflight = InflightUpdates(poll=poll, chunk_tokens=64)
+    client = LocalDataPlane()
+    sink = build_token_sink(client, staging_partition="rollout_staging")
+    worker = RolloutWorker(task=TASK, sink=sink, max_new_tokens=6, temperature=0.8,
+                           stop_token_id=EOS, allowed_token_ids=TASK.output_token_ids)
+    batch = worker.run(engine, step=0, prompts=2, group_size=2,
+                       generator=torch.Generator().manual_seed(0))
+    assert calls == [3]  # one poll: before the second turn
+    source = TQTokenSource(client, staging_partition="rollout_staging")
+    for receipt in batch.receipts:
+        first, second = receipt.manifest
+        assert (first.weight_version, second.weight_version) == (3, 4)
+        ledgers = source.fetch_token_versions([first.staging_key, second.staging_key])
+        assert set(ledgers[0]) == {3} and set(ledgers[1]) == {4}

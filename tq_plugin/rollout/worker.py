@@ -129,6 +129,9 @@ class RolloutWorker:
                 admissions.append(admission)
                 prefixes.append(prefix)
                 prompts_ids.append(prefix + carry[i])
+            inflight = getattr(engine, "inflight", None)
+            if turn and inflight is not None:  # in-flight updates: newer weights between turns too
+                inflight.poll()
             version = engine.weight_version
             seeds = torch.randint(0, _SEED_RANGE, (n,), generator=generator).tolist()
             try:

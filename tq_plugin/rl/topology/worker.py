@@ -131,6 +131,10 @@ class _Weights:
         self.publish, self.version = -1, -1
         self._named = lambda: engine_weights(policy, engine.name)
         self._polled = float("-inf")
+        # Publishes ``poll`` loaded while a ticket generated (its ``inflight/weights_taken``
+        # figure): a publish after one of a step's earlier optimizer steps carries the version
+        # the step started from, so the ledger shows only the loads that moved the version.
+        self.taken = 0
 
     def poll(self) -> bool:
         """In-flight weight updates (``recipe.inflight_updates``), between two chunks of
@@ -143,6 +147,7 @@ class _Weights:
         self._polled = now
         held = self.publish
         self.load_newest(newest_weights(self.client))
+        self.taken += self.publish != held
         return self.publish != held
 
     def load_newest(self, newest: tuple[int, int] | None) -> int:
@@ -245,7 +250,8 @@ def _serve(spec: WorkerSpec, stop: StopSignal, task: Any, weights: _Weights,
     client, rc = spec.client, spec.cfg.recipe
     partition = tickets_partition(spec.index)
     draws = DrawLoop(rc=rc, task=task, side=side, io=row_io(client))
-    if getattr(rc, "inflight_updates", False):
+    inflight = bool(getattr(rc, "inflight_updates", False))
+    if inflight:
         if not isinstance(side.rollout, RolloutWorker):
             raise ConfigError("recipe.inflight_updates=true: this task drives its own rollouts "
                               f"({type(side.rollout).__name__}), which stage no per-token "
@@ -269,6 +275,7 @@ def _serve(spec: WorkerSpec, stop: StopSignal, task: Any, weights: _Weights,
             continue
         held.remove(ticket)
         version = weights.load_newest(newest)
+        weights.taken = 0
         generator = torch.Generator().manual_seed(rc.seed * 1_000_003 + 7919 * ticket["slot"] + 1)
         # A dataset task draws the slot's rows of the run's prompt stream; the reward
         # functions' trainer_state is the target step.
@@ -281,7 +288,8 @@ def _serve(spec: WorkerSpec, stop: StopSignal, task: Any, weights: _Weights,
         n = rows.size
         tag = {TICKET_TAG: ticket["ticket"], VERSION_TAG: version, CALLS_TAG: batch.staged_calls,
                FAILED_TAG: batch.failed_calls, "target": ticket["target"], "worker": spec.index,
-               SLOT_TAG: ticket["slot"], **figure_tags(batch.figures)}
+               SLOT_TAG: ticket["slot"], **figure_tags(
+                   batch.figures | ({"inflight/weights_taken": weights.taken} if inflight else {}))}
         client.put_samples(
             partition_id=ROLLOUTS_PARTITION,
             sample_ids=rows.sample_ids,
