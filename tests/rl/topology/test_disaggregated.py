@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -107,6 +108,7 @@ class Sim:
     # after the next chunk's first (so one claim mixes two chunks, out of row order).
     split_puts: bool = False
     held_part: tuple | None = None  # the second part of the last delivery, not landed yet
+    delivered: Counter = field(default_factory=Counter)  # slot -> chunks delivered for it
 
     def __post_init__(self) -> None:
         self.procs = [FakeProc(pid=1000 + k) for k in range(len(self.workers))]
@@ -152,6 +154,7 @@ class Sim:
         else:
             job, self.workers[k].job = self.workers[k].job, None
         n = job["prompts"] * self.group_size
+        self.delivered[job["slot"]] += 1
         ids = [f"s{job['ticket']}-p{i // self.group_size}-g{i % self.group_size}" for i in range(n)]
         tag = {TICKET_TAG: job["ticket"], VERSION_TAG: job["version"], CALLS_TAG: n, SLOT_TAG: job["slot"],
                FAILED_TAG: 0, FINALIZED_FIELDS_TAG: f"{INPUT_IDS},{INPUT_LENGTHS},{SAMPLE_MASK}"}
@@ -597,6 +600,81 @@ def test_a_waiting_worker_skips_publishes_older_than_the_version_it_needs():
     publisher.publish(model, 1)
     _wait_for_version(client, 0, 1, stop)  # returns at the version-1 publish
     assert client.check_consumption_status(WEIGHTS_PARTITION, [weights_task(0)])
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 10**6), workers=st.integers(1, 3), staleness=st.integers(1, 2),
+       kill_at=st.integers(2, 8))
+def test_a_resume_on_a_journaled_store_makes_no_delivered_rollout_again(seed, workers, staleness,
+                                                                          kill_at):
+    """A trainer killed on a journaled shared store (keep_taken: chunks it took stay until a
+    checkpoint holds their step) and resumed from its last checkpoint: the resumed collector
+    takes back every chunk delivered for a step the checkpoint has not trained, so every slot
+    trains once across the runs and every delivery the workers made is used, except the stale
+    ones the bound dropped: deliveries = slots + stale drops, counted by the simulated workers
+    themselves (a slot ordered again after the kill would add one)."""
+    import tempfile
+
+    steps, prompts, every = 10, 2, 2
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory() as journal:
+        def run(sim_client: SimClient) -> tuple[Sim, ChunkCollector, LocalDataPlane]:
+            sim = Sim(sim_client, [SimWorker(speed=rng.uniform(0.1, 3.0)) for _ in range(workers)],
+                      rng, group_size=2)
+            sim_client.sim = sim
+            local = LocalDataPlane()
+            local.register_partition("train", [])
+            collector = ChunkCollector(sim_client, local, train_partition="train",
+                                       prompts_per_step=prompts, group_size=2, workers=workers,
+                                       max_staleness=staleness, procs=sim.procs, keep_taken=True)
+            return sim, collector, local
+
+        def train(sim: Sim, collector: ChunkCollector, local: LocalDataPlane, step: int) -> None:
+            chunks, figures = collector.collect(step)
+            trained[step] = figures["prompt_groups"]
+            local.clear_samples(partition_id="train",
+                                sample_ids=[s for c in chunks for s in c.sample_ids])
+            sim.published = step
+            sim.advance(until=sim.now + rng.uniform(0.05, 2.0))
+
+        trained: dict[int, list[int]] = {}
+        sim1, first_run, local = run(SimClient(journal_dir=journal))
+        first_run.register()
+        checkpoint = None
+        for step in range(kill_at + 1):
+            train(sim1, first_run, local, step)
+            # Step ``step - 1`` finishes with ``step`` prepared: a save every ``every`` steps
+            # holds steps < step + 1 (the prepared one with its rows); the next prepare releases.
+            if step and step % every == 0:
+                checkpoint = {"first": step + 1, "next_ticket": first_run.ledger.next_ticket}
+                first_run.release(len(first_run.kept))
+        dropped = first_run.filter.rows_dropped
+        sim1.client.close()  # the kill: what the journal holds is all that is left
+        assert checkpoint is not None
+        first = checkpoint["first"]
+        trained = {s: g for s, g in trained.items() if s < first}  # the checkpoint's steps
+
+        sim2, resumed, local = run(SimClient(journal_dir=journal))
+        sim2.published = first - 1
+        resumed.restart(first, checkpoint["next_ticket"])
+        resumed.register(recover=True)
+        resumed.recover()
+        for step in range(first, steps):
+            train(sim2, resumed, local, step)
+        dropped += resumed.filter.rows_dropped
+        sim2.client.close()
+
+    assert [trained[s] for s in range(steps)] == [
+        list(range(s * prompts, (s + 1) * prompts)) for s in range(steps)]
+    assert resumed.rollouts_generated_twice == 0
+    chunks_of_slots = steps * (prompts // first_run.chunk_prompts)
+    # (the slots past the last step, ordered ahead by the staleness bound, are not counted)
+    delivered = sum(n for sim in (sim1, sim2) for slot, n in sim.delivered.items()
+                    if slot < chunks_of_slots)
+    assert delivered == chunks_of_slots + dropped // first_run.chunk_rows, (
+        f"{delivered} deliveries for {chunks_of_slots} slots and "
+        f"{dropped // first_run.chunk_rows} stale drops: a delivered rollout was made again "
+        f"(first run {dict(sim1.delivered)}, resumed from step {first} {dict(sim2.delivered)})")
 
 
 def test_rows_an_earlier_run_left_in_the_exchange_are_dropped_at_start():

@@ -15,6 +15,16 @@ trained (a dead worker's rows landing after its ticket was reassigned) is cleare
 ``0..N-1`` trains once, whatever the workers' speeds, deaths or a resume (``restart``: the
 orders in flight died with the previous run's store; their slots are ordered again and draw the
 same prompts).
+
+**On a journaled shared store** (``tq.backend.journal_dir``, ``docs/durability.md``) a resume
+replays no rollout. With ``keep_taken`` (the journal and ``recipe.checkpoint_every``) a chunk
+copied into the trainer's store stays in the shared one until a checkpoint holds its step
+(``release``), and every delivered slot is booked in ``DELIVERED_PARTITION``. A resumed
+trainer's store is the journal's recovery, and ``register(recover=True)`` + ``recover`` take
+back every chunk delivered for a step the checkpoint has not trained, claimed before the kill
+or not, so only the slots whose chunk was never delivered (in flight at the kill) are ordered
+again. ``rollouts_generated_twice`` counts the rows delivered again for a slot delivered before
+the resume, by that independent record (the goal is 0).
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import torch
 from tq_plugin.data_plane import KVBatchMeta, first_write
 from tq_plugin.rl.topology.exchange import (
     CALLS_TAG,
+    DELIVERED_PARTITION,
     FAILED_TAG,
     FIGURE_TAG_PREFIX,
     GENERATE_TASK,
@@ -99,7 +110,8 @@ class ChunkCollector:
     """
 
     def __init__(self, client: Any, local: Any, *, train_partition: str, prompts_per_step: int,
-                 group_size: int, workers: int, max_staleness: int, procs: list[Any]) -> None:
+                 group_size: int, workers: int, max_staleness: int, procs: list[Any],
+                 keep_taken: bool = False) -> None:
         self.client = client  # the shared store: tickets, weights, delivered rows
         self.local = local  # the trainer's own store: the rows of the steps it trains
         self.train_partition = train_partition
@@ -121,22 +133,42 @@ class ChunkCollector:
         self.waited_s = 0.0
         self._last_ready = time.perf_counter()
         self.writer: Any = InlineWriter()
+        # A journaled store: taken chunks' shared rows wait for a checkpoint (``release``).
+        self.keep_taken = keep_taken
+        self.kept: list[list[str]] = []  # the shared row ids of each chunk taken, not released
+        self.delivered_before: set[int] = set()  # slots delivered before this run (a resume)
+        self.rollouts_generated_twice = 0
+        self.outstanding_before: set[int] = set()  # slots ordered, not delivered, at the kill
+        self.orders_reissued = 0  # slots whose order was outstanding at the kill, ordered again
+        self.recovered_rows = 0
 
-    def register(self) -> None:
+    def _rows(self, partition: str) -> list[str] | None:
+        try:
+            return self.client.list_sample_ids(partition)
+        except KeyError:  # never registered
+            return None
+
+    def register(self, *, recover: bool = False) -> None:
         """The exchange partitions (before any worker starts). Rows an earlier trainer left in
         them (one that died before closing a store of the same name) are dropped first: a claim
-        would otherwise hand this run another run's tickets, weights or rollouts."""
-        exchange = [WEIGHTS_PARTITION, ROLLOUTS_PARTITION,
-                    *(tickets_partition(k) for k in range(self.ledger.workers))]
+        would otherwise hand this run another run's tickets, weights or rollouts. ``recover``
+        (a resume on a journaled store): the delivered rollouts and the delivery record are
+        kept for :meth:`recover`, and the previous run's tickets are read first (their
+        numbers are not used again; their slots are the chunks in flight at the kill)."""
+        workers = range(self.ledger.workers)
+        if recover:
+            self._read_tickets([tickets_partition(k) for k in workers])
+        exchange = [WEIGHTS_PARTITION, *(tickets_partition(k) for k in workers)]
+        if not recover:
+            exchange += [ROLLOUTS_PARTITION, DELIVERED_PARTITION]
         for partition in exchange:
-            try:
-                stale = self.client.list_sample_ids(partition)
-            except KeyError:  # never registered: nothing left behind
-                continue
+            stale = self._rows(partition)
             if stale:
                 log.warning("dropping %d rows an earlier run left in %r of the shared store",
                             len(stale), partition)
                 self.client.clear_samples(partition_id=partition, sample_ids=None)
+        if self.keep_taken or recover:
+            self.client.register_partition(DELIVERED_PARTITION, [SLOT_TAG])
         self.client.register_partition(
             WEIGHTS_PARTITION, [WEIGHTS, WEIGHT_VERSION],
             consumer_tasks=[weights_task(k) for k in range(self.ledger.workers)])
@@ -144,6 +176,80 @@ class ChunkCollector:
         for k in range(self.ledger.workers):
             self.client.register_partition(tickets_partition(k), list(TICKET_FIELDS),
                                            consumer_tasks=[GENERATE_TASK])
+
+    def _read_tickets(self, partitions: list[str]) -> None:
+        """The previous run's outstanding tickets (a resume): numbers above them only from now
+        on, and their slots noted (``outstanding_before``)."""
+        for partition in partitions:
+            ids = self._rows(partition)
+            if not ids:
+                continue
+            self.ledger.next_ticket = max(self.ledger.next_ticket,
+                                          1 + max(int(sid[1:]) for sid in ids))
+            slots = self.client.get_samples(partition_id=partition, sample_ids=ids,
+                                            select_fields=[SLOT_TAG])[SLOT_TAG]
+            self.outstanding_before.update(int(v) for v in slots.tolist())
+
+    def recover(self) -> None:
+        """Take back, after :meth:`restart` on a journaled store recovered by the backend, every
+        chunk delivered for a step from ``open_from`` on: claimed by the trainer that died or
+        not, each goes to the buffer as if claimed now, and the ledger orders none of their
+        slots again (``_unheld``). Rows of steps the checkpoint holds or trained are cleared,
+        and so are rows of a chunk never signalled ready (no ``slot`` tag: never delivered)."""
+        while self.client.claim_meta(ROLLOUTS_PARTITION, READY_TASK, [WEIGHT_VERSION],
+                                     batch_size=max(self.chunk_rows, 1024), blocking=False).size:
+            pass  # unclaimed deliveries: this run takes every one by its tags below
+        ids = self._rows(ROLLOUTS_PARTITION) or []
+        tags = self.client.get_tags(partition_id=ROLLOUTS_PARTITION, sample_ids=ids) if ids else []
+        delivered = self._rows(DELIVERED_PARTITION) or []
+        self.delivered_before = {int(sid[len("slot"):]) for sid in delivered}
+        by_ticket: dict[int, list[int]] = {}
+        drop: list[str] = []
+        for i, tag in enumerate(tags):
+            if SLOT_TAG in tag:
+                by_ticket.setdefault(int(tag[TICKET_TAG]), []).append(i)
+            else:
+                drop.append(ids[i])
+        for ticket, rows in sorted(by_ticket.items()):
+            self.ledger.next_ticket = max(self.ledger.next_ticket, ticket + 1)
+            slot = int(tags[rows[0]][SLOT_TAG])
+            self.delivered_before.add(slot)
+            # A version newer than its step: a dead worker's late duplicate, never trainable.
+            too_new = int(tags[rows[0]][VERSION_TAG]) > slot // self.ledger.chunks_per_step
+            if (slot < self.open_from or slot in self.received or too_new
+                    or len(rows) != self.chunk_rows):
+                drop.extend(ids[i] for i in rows)
+                continue
+            chunk = KVBatchMeta(partition_id=ROLLOUTS_PARTITION, task_name=READY_TASK,
+                                sample_ids=[ids[i] for i in rows], fields=[WEIGHT_VERSION],
+                                tags=[tags[i] for i in rows])
+            self.buffer.append(in_row_order(chunk))
+            self.received.add(slot)
+            self.recovered_rows += len(rows)
+        if drop:
+            self.client.clear_samples(partition_id=ROLLOUTS_PARTITION, sample_ids=drop)
+        self.orders_reissued = len({s for s in self.outstanding_before
+                                       if s >= self.open_from and s not in self.received})
+
+    def _unheld(self, tickets: list[Ticket]) -> list[Ticket]:
+        """``tickets`` less those for a slot already held (a chunk :meth:`recover` took back):
+        those are withdrawn from the ledger before any worker sees them."""
+        out = []
+        for t in tickets:
+            if t.slot in self.received and t.slot >= self.open_from:
+                self.ledger.outstanding.pop(t.ticket)
+            else:
+                out.append(t)
+        return out
+
+    def release(self, chunks: int) -> None:
+        """Clear from the shared store the rows of the first ``chunks`` chunks taken and kept
+        (``keep_taken``): a checkpoint now holds or has trained their steps."""
+        done, self.kept = self.kept[:chunks], self.kept[chunks:]
+        ids = [sid for chunk in done for sid in chunk]
+        if ids:
+            self.writer.submit(self.client.clear_samples, partition_id=ROLLOUTS_PARTITION,
+                               sample_ids=ids)
 
     def send(self, tickets: list[Ticket]) -> None:
         """One put per worker with tickets."""
@@ -213,6 +319,12 @@ class ChunkCollector:
             chunk = in_row_order(chunk)
             self.ledger.delivered(ticket)
             slot = int(chunk.tags[0][SLOT_TAG])
+            if slot in self.delivered_before:  # acknowledged before the resume, made again
+                self.rollouts_generated_twice += chunk.size
+            if self.keep_taken:
+                self.writer.submit(self.client.put_samples, partition_id=DELIVERED_PARTITION,
+                                   sample_ids=[f"slot{slot}"],
+                                   fields={SLOT_TAG: torch.tensor([slot])})
             if slot < self.open_from or slot in self.received:  # its prompts are held already
                 self.writer.submit(self.client.clear_samples, partition_id=ROLLOUTS_PARTITION,
                                    sample_ids=chunk.sample_ids)
@@ -247,8 +359,11 @@ class ChunkCollector:
         )
         local = first_write(dict(td.items()), sample_ids=chunk.sample_ids, client=self.local,
                             partition_id=self.train_partition, tags=chunk.tags)
-        self.writer.submit(self.client.clear_samples, partition_id=ROLLOUTS_PARTITION,
-                           sample_ids=chunk.sample_ids)
+        if self.keep_taken:  # until a checkpoint holds its step (``release``)
+            self.kept.append(list(chunk.sample_ids))
+        else:
+            self.writer.submit(self.client.clear_samples, partition_id=ROLLOUTS_PARTITION,
+                               sample_ids=chunk.sample_ids)
         return local
 
     def restart(self, step: int, next_ticket: int) -> None:
@@ -268,7 +383,7 @@ class ChunkCollector:
     def collect(self, step: int) -> tuple[list[KVBatchMeta], dict[str, Any]]:
         """This step's chunks (its slots, in slot order: ``rows_per_step`` rows, whole groups)
         and their figures."""
-        self.send(self.ledger.issue(step))
+        self.send(self._unheld(self.ledger.issue(step)))
         want = set(self.ledger.slots(step))
         chunks: list[KVBatchMeta] = []
         dropped = calls = failed = 0
@@ -284,6 +399,10 @@ class ChunkCollector:
                                        sample_ids=chunk.sample_ids)
                     dropped += chunk.size
                     self.received.discard(slot)
+                    if self.keep_taken:  # not a delivery that counts: its slot is ordered again
+                        self.writer.submit(self.client.clear_samples,
+                                           partition_id=DELIVERED_PARTITION,
+                                           sample_ids=[f"slot{slot}"])
                     self.send([self.ledger.replace(slot)])
                     continue
                 failed += int(tag[FAILED_TAG])

@@ -69,6 +69,21 @@ of steps ``0..num_steps-1`` trains exactly once across the runs (every slot, und
 sampling), and the staleness bound holds
 (``tests/rl/topology/test_async_resume.py``).
 
+**Resume without replay** (``tq.backend.journal_dir``: the shared store journaled,
+``docs/durability.md``): the resumed trainer's store is the journal's recovery, so what the
+workers delivered survives the kill. With ``recipe.checkpoint_every`` the rows of a chunk the
+trainer took stay in the shared store until a checkpoint holds their step (they are released
+after the next save), and on resume every chunk delivered for a step the checkpoint has not
+trained is taken back (``ChunkCollector.recover``): only the slots whose chunk was in flight
+at the kill are ordered again. ``result.json`` counts ``rollouts_generated_twice`` (rows
+delivered again for a slot delivered before the resume, from the store's own record of
+deliveries: the goal is 0), ``rollouts_recovered``, ``orders_reissued`` (orders outstanding at
+the kill, ordered again: their chunks were never delivered, so nothing acknowledged is made
+twice) and ``calls_staged_twice`` with its reason: a chunk in flight at the kill is generated
+again whole, so the calls its worker had staged are made again (with
+``recipe.worker_staging=local``, the default, those calls lived in the worker's memory and
+their count is not known: ``null``).
+
 metrics.csv gains ``staleness_max``, ``staleness_mean``, ``rows_dropped_stale``,
 ``trainer_wait_s`` (time blocked in claims), ``rollout_calls_per_s`` (staged calls delivered
 per second of the step's wall time) and ``workers_alive``.
@@ -124,6 +139,9 @@ from tq_plugin.staging import TOKEN_VERSIONS_FIELD
 
 log = logging.getLogger(__name__)
 PROMPT_GROUPS_FILE = "prompt_groups.jsonl"
+# result.json's counts of what a resume on a journaled store made again (``replay_totals``).
+REPLAY_KEYS = ("rollouts_generated_twice", "rollouts_recovered", "orders_reissued",
+               "calls_staged_twice")
 # The per-token figures of the step (``staleness.check_token_ledger``); without a ledger every
 # token of a row has its chunk's version, so they are the row figures.
 LEDGER_COLUMNS = ("token_staleness_max", "token_staleness_mean", "multi_version_fraction",
@@ -234,6 +252,8 @@ class Disaggregated(StepSource, Callback):
         # Every rank that prepares steps: the first was prepared (weights go out from then on).
         self.started = False
         self.world_size, self.sharded = 1, False
+        self.journaled = cfg.tq.backend.get("journal_dir") is not None
+        self.covered = 0  # chunks kept in the shared store that the last checkpoint holds
 
     def attach(self, *, module: Any, metrics: Any, dp_callback: Any, sigterm: Any) -> None:
         super().attach(module=module, metrics=metrics, dp_callback=dp_callback, sigterm=sigterm)
@@ -273,11 +293,16 @@ class Disaggregated(StepSource, Callback):
         self.collector = c = ChunkCollector(
             client, local, train_partition=rc.train_partition, prompts_per_step=rc.prompts_per_step,
             group_size=rc.group_size, workers=rc.rollout_workers, max_staleness=rc.max_staleness,
-            procs=self.procs)
-        c.register()
+            procs=self.procs, keep_taken=self.journaled and bool(rc.checkpoint_every))
         version = self.dp_callback.completed_steps  # 0, unless resumed
-        if self.resumed is not None:
+        if self.resumed is None:
+            c.register()
+        else:
             c.restart(step, int(self.resumed["next_ticket"]))
+            c.register(recover=self.journaled)
+            if self.journaled:
+                c.recover()
+                self.replay_totals()
             c.filter.rows_dropped = int(self.resumed["rows_dropped"])
             c.rows_duplicate = int(self.resumed["rows_duplicate"])
             c.workers_lost = int(self.resumed["workers_lost"])
@@ -334,6 +359,9 @@ class Disaggregated(StepSource, Callback):
         t0 = time.perf_counter()
         meta = figures = None
         if writer:
+            if self.covered:  # the last save holds their steps: off the shared store
+                self.collector.release(self.covered)
+                self.covered = 0
             chunks, figures = self.collector.collect(step)
             meta = chunks[0].concat(*chunks[1:])
             meta = dataclasses.replace(meta, task_name="train", extra_info={})
@@ -354,7 +382,35 @@ class Disaggregated(StepSource, Callback):
             "partial_claims": c.partial_claims,
             "collect_s_total": round(
                 self.metrics.run_totals.get("collect_s_total", 0.0) + t1 - t0, 3)}
+        if self.journaled:
+            self.replay_totals()
         return meta
+
+    def replay_totals(self) -> None:
+        """``result.json``'s replay counts on a journaled store, summed over the resumes."""
+        c, totals = self.collector, self.metrics.run_totals
+        base = (self.resumed or {}).get("replay", {})
+        mine = {"rollouts_generated_twice": c.rollouts_generated_twice,
+                "rollouts_recovered": c.recovered_rows, "orders_reissued": c.orders_reissued}
+        for key, value in mine.items():
+            totals[key] = int(base.get(key) or 0) + value
+        if self.resumed is None:
+            totals.setdefault("calls_staged_twice", 0)
+            return
+        if c.orders_reissued == 0:
+            calls, why = 0, "no chunk was in flight at the kill"
+        elif self.rc.worker_staging == "local":
+            calls, why = None, (
+                f"{c.orders_reissued} chunks in flight at the kill are generated again whole; "
+                "recipe.worker_staging=local kept the calls their workers had staged in the "
+                "workers' memory, so how many is not known")
+        else:
+            calls, why = None, (
+                f"{c.orders_reissued} chunks in flight at the kill are generated again whole "
+                "under new tickets; the calls staged for them before the kill are not resumed")
+        prior = base.get("calls_staged_twice", 0)
+        totals["calls_staged_twice"] = None if calls is None or prior is None else prior + calls
+        totals["calls_staged_twice_why"] = why
 
     def check_ledger(self, meta: KVBatchMeta, step: int, figures: dict[str, Any]) -> dict[str, Any]:
         """The staleness bound token by token over the step's rows before anything reads them
@@ -391,6 +447,8 @@ class Disaggregated(StepSource, Callback):
         counts = (self.resumed or {}) if c is None else {
             "next_ticket": c.ledger.next_ticket, "rows_dropped": c.filter.rows_dropped,
             "rows_duplicate": c.rows_duplicate, "workers_lost": c.workers_lost}
+        if c is not None:  # this save holds the steps of every chunk taken so far
+            self.covered = len(c.kept)
         return {"next_ticket": 0, "rows_dropped": 0, "rows_duplicate": 0, "workers_lost": 0,
                 **counts, "run_totals": dict(metrics.run_totals),
                 "figures": {str(k): v for k, v in figures.items()}}
@@ -400,6 +458,8 @@ class Disaggregated(StepSource, Callback):
         self.resumed = {k: v for k, v in state_dict.items() if k not in ("run_totals", "figures")}
         metrics = self.metrics
         metrics.run_totals = dict(state_dict["run_totals"])
+        self.resumed["replay"] = {k: metrics.run_totals[k] for k in REPLAY_KEYS
+                                  if k in metrics.run_totals}
         metrics.pending.update({int(k): v for k, v in state_dict["figures"].items()})
 
     # ------------------------------------------------------------------ Lightning hooks

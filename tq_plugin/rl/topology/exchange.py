@@ -24,6 +24,9 @@ WEIGHTS_PARTITION = "policy_weights"
 # The shared partition the workers deliver finished training rows into (the trainer claims
 # them there and copies each chunk into its own store).
 ROLLOUTS_PARTITION = "rollouts"
+# On a journaled store: one row per prompt-stream slot the trainer took delivery of
+# (``slot<n>``), the record a resumed run counts rollouts generated twice by.
+DELIVERED_PARTITION = "rollouts_delivered"
 WEIGHTS = "weights"
 WEIGHT_VERSION = "weight_version"
 TICKET_FIELDS = ("ticket", "target", "min_version", "prompts", "slot")
@@ -222,7 +225,7 @@ class SplitClient:
         return call
 
 
-__all__ = ["CALLS_TAG", "FAILED_TAG", "FIGURE_TAG_PREFIX", "GENERATE_TASK", "ROLLOUTS_PARTITION", "SLOT_TAG",
+__all__ = ["CALLS_TAG", "DELIVERED_PARTITION", "FAILED_TAG", "FIGURE_TAG_PREFIX", "GENERATE_TASK", "ROLLOUTS_PARTITION", "SLOT_TAG",
            "TICKET_FIELDS", "TICKET_TAG", "TURN_REWARDS", "VERSION_TAG", "WEIGHTS",
            "WEIGHTS_PARTITION", "WEIGHT_VERSION", "BackgroundWriter", "InlineWriter",
            "SplitClient", "WeightPublisher", "newest_weights", "parse_weights_id", "put_weights",
