@@ -372,6 +372,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="also run the S = 1, 2 workload on tq/backend=transferqueue, each in a "
                         "process of its own (TQ_BENCH_FLEET_TQ=1 under run_all)")
     p.add_argument("--tq-only", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--shards-only", action="store_true",
+                   help="only the S = 1, 2, 4 interleaved rounds (no N sweep, no ceiling)")
     args = p.parse_args([] if argv is None else argv)
     load = os.getloadavg()
     hosts = _hosts(max(1, min(args.procs, args.workers)))
@@ -385,11 +387,13 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     # 1. N grows, one store actor, realistic lengths and generation time.
     ns = sorted({n for n in (1, 4, 16, 64, 128, 256) if n <= args.workers} | {args.workers})
-    sweep = [run_fleet(hosts, units=1, workers=n, fixed_len=None, tokens_per_s=args.tokens_per_s,
-                       **common) for n in ns]
+    sweep = [] if args.shards_only else [
+        run_fleet(hosts, units=1, workers=n, fixed_len=None, tokens_per_s=args.tokens_per_s,
+                  **common) for n in ns]
     # 2. The single actor's ceiling: no generation sleep, fixed lengths.
-    ceiling = [run_fleet(hosts, units=1, workers=args.workers, fixed_len=L, tokens_per_s=0, **common)
-               for L in (256, 4096)]
+    ceiling = [] if args.shards_only else [
+        run_fleet(hosts, units=1, workers=args.workers, fixed_len=L, tokens_per_s=0, **common)
+        for L in (256, 4096)]
     # 3. Shards at N = workers, 4,096-token rows, no sleep: S = 1, 2, 4 interleaved.
     by_s: dict[int, list[dict]] = {1: [], 2: [], 4: []}
     for _ in range(args.rounds):
@@ -469,11 +473,11 @@ def main(argv: list[str] | None = None) -> dict:
                       f"{100 * r['box_cpu']:.0f}%"] for s, r in tq_runs.items()]),
         ])
     print(md)
-    return {"markdown": md, "key_figures": {
-        "fleet_ceiling_rows_256": f"{ceiling[0]['rows_s']:,.0f}",
-        "fleet_ceiling_rows_4096": f"{ceiling[1]['rows_s']:,.0f}",
-        "fleet_s2_vs_s1": f"{s2:.2f}x",
-    }, "sweep": sweep, "ceiling": ceiling, "shards": by_s}
+    key = {"fleet_s2_vs_s1": f"{s2:.2f}x"}
+    if ceiling:
+        key = {"fleet_ceiling_rows_256": f"{ceiling[0]['rows_s']:,.0f}",
+               "fleet_ceiling_rows_4096": f"{ceiling[1]['rows_s']:,.0f}", **key}
+    return {"markdown": md, "key_figures": key, "sweep": sweep, "ceiling": ceiling, "shards": by_s}
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """The Ray store sharded (``RayDataPlane(num_storage_units=S)``, ``backends/ray_sharded.py``).
 
 Its contract is the single store's: the conformance suite and the state machine run on it
-(``ray_sharded``, every block staged on a unit). Here: which blocks go to a unit and which unit,
-the stand-in the controller validates in place of the bytes, and (slow, Ray) that a put's bytes
-are owned by the unit its first sample id hashes to while reads, claims and pickled clients
-work across units.
+(``ray_sharded``, every block put on a unit). Here: which blocks go to a unit and which unit,
+the stand-in the controller validates in place of the bytes and its hold on the unit's block,
+and (slow, Ray) that a put's bytes live on the unit its first sample id hashes to and outlive
+a killed writer, while reads, claims and pickled clients work across units, and that a clear
+or a refused put leaves nothing on a unit.
 """
 
 from __future__ import annotations
@@ -21,9 +22,12 @@ import torch
 from tq_plugin.data_plane import nested_from_lengths
 from tq_plugin.data_plane.backends import ray_columns
 from tq_plugin.data_plane.backends.ray_columns import (
+    HeldKey,
     StagedBlock,
+    UnitKey,
     decode_fields,
     encode_fields,
+    released_keys,
     stage_block,
 )
 from tq_plugin.data_plane.backends.ray_sharded import checked_units, shipped, unit_of
@@ -71,8 +75,8 @@ def test_a_bad_unit_count_is_refused_naming_it_before_ray_starts(bad, kind):
         RayDataPlane("never", num_storage_units=bad, address="127.0.0.1:1")  # no cluster reached
 
 
-def test_the_controller_validates_a_stand_in_and_keeps_the_units_reference():
-    ref = object()  # any handle: stage_block hands it back, the bytes never read
+def test_the_controller_validates_a_stand_in_and_holds_the_units_block():
+    ref = UnitKey("ns", "store_unit1", 7)  # the bytes never read
     payload = ("enc", None, [("logprobs", "jagged", "float32", StagedBlock(ref, (12,)),
                               np.array([0, 5, 12])),
                              ("scores", "dense", "bfloat16", StagedBlock(ref, (3, 4)), None)])
@@ -80,30 +84,50 @@ def test_the_controller_validates_a_stand_in_and_keeps_the_units_reference():
     lp, sc = fields["logprobs"], fields["scores"]
     assert lp.is_nested and lp._values.shape == (12,) and lp._values.stride() == (0,)
     assert sc.dtype == torch.bfloat16 and sc.shape == (3, 4) and sc.stride() == (0, 0)
-    assert stage_block(lp._values) == (ref, 12, 48)
-    assert stage_block(sc) == (ref, 3, 24)
-    assert stage_block(sc.reshape(-1)) == (ref, 12, 24)  # a view (a dense put into a jagged field)
+    released_keys()
+    held = [stage_block(lp._values), stage_block(sc),
+            stage_block(sc.reshape(-1))]  # a view (a dense put into a jagged field)
+    assert [h[1:] for h in held] == [(12, 48), (3, 24), (12, 24)]
+    assert all(isinstance(h[0], HeldKey) and h[0] is held[0][0] for h in held)  # one hold a key
+    assert pickle.loads(pickle.dumps(held[0][0])) == ref  # a read's answer: the plain key
     own = torch.arange(4.0)
-    held, elements, nbytes = stage_block(own)  # a block of its own: copied, not the unit's
-    assert held is not ref and np.array_equal(held, own.numpy()) and (elements, nbytes) == (4, 16)
+    mine, elements, nbytes = stage_block(own)  # a block of its own: copied, not the unit's
+    assert np.array_equal(mine, own.numpy()) and (elements, nbytes) == (4, 16)
     del fields, lp, sc
     gc.collect()
-    assert not ray_columns._STAGED_REFS  # the references go with the stand-ins
+    assert not ray_columns._STAGED_REFS  # the stand-ins' entries go with them
+    assert released_keys() == {}  # still held
+    del held
+    gc.collect()
+    assert released_keys() == {("ns", "store_unit1"): [7]}  # the last hold gone: free it once
 
 
 # ---------------------------------------------------------------- on Ray (slow)
+class _Writer:
+    """A rollout worker's process: puts rows through a pickled client, then is killed."""
+
+    def put(self, client, ids, values):
+        lengths = torch.full((len(ids),), values.numel() // len(ids))
+        return client.put_samples(partition_id="p", sample_ids=ids, fields={
+            "logprobs": nested_from_lengths(values, lengths), "input_lengths": lengths}).size
+
+
+def _unit_blocks(client) -> int:
+    import ray
+
+    return sum(n for n, _ in ray.get([u.held.remote() for u in client.storage_units.units]))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_puts_bytes_live_on_the_unit_its_first_id_hashes_to(ray_session):
     import ray
 
     from tq_plugin.data_plane import RayDataPlane
+    from tq_plugin.data_plane.backends.ray_columns import UnitKey
 
     client = RayDataPlane(f"shard-{uuid.uuid4().hex[:8]}", actor_name="tq_plugin_tests",
                           num_storage_units=2)
-    units = client.storage_units.units
-    owner = [ray.get(u.stage.remote([np.zeros(4)]))[0].owner_address() for u in units]
-    assert owner[0] != owner[1]
     try:
         client.register_partition("p", [], consumer_tasks=["train"])
         big = 4096  # tokens a row: a logprob block of 8 rows is 128 KB, past min_bytes
@@ -122,10 +146,18 @@ def test_a_puts_bytes_live_on_the_unit_its_first_id_hashes_to(ray_session):
         for ids in puts:
             plan = client._call("locate", partition_id="p", sample_ids=ids,
                                 select_fields=["logprobs", "reward", "input_lengths"])
-            (ref,) = plan["fields"]["logprobs"][3]
-            assert ref.owner_address() == owner[unit_of(ids[0], 2)]
+            (where,) = plan["fields"]["logprobs"][3]
+            assert isinstance(where, UnitKey)
+            assert where.unit == f"tq_plugin_tests_unit{unit_of(ids[0], 2)}"
             # Small blocks stay in the controller, as with one actor.
             assert isinstance(plan["fields"]["reward"][3][0], np.ndarray)
+        assert _unit_blocks(client) >= 6  # one logprobs block a put (units serve other stores)
+        # A writer that is killed once its put returned loses nothing: the unit keeps the bytes.
+        writer = ray.remote(_Writer).options(num_cpus=0).remote()
+        late = torch.randn(2 * big)
+        assert ray.get(writer.put.remote(client, ["w9/r0", "w9/r1"], late)) == 2
+        ray.kill(writer, no_restart=True)
+        expect.update({"w9/r0": late[:big], "w9/r1": late[big:]})
         # A claim hands each row out once; the read gathers rows of both units in one call.
         got = []
         while True:
@@ -137,7 +169,7 @@ def test_a_puts_bytes_live_on_the_unit_its_first_id_hashes_to(ray_session):
                 assert torch.equal(row, expect[s])
             got += meta.sample_ids
         assert sorted(got) == sorted(expect) and len(got) == len(set(got))
-        # A pickled client (a worker's) attaches with the same units and stages through them
+        # A pickled client (a worker's) attaches with the same units and puts through them
         # (one row of 16,384 float32 logprobs: 64 KB, the smallest block a unit takes).
         other = pickle.loads(pickle.dumps(client))
         assert other.num_storage_units == 2 and not other.is_owner
@@ -145,7 +177,7 @@ def test_a_puts_bytes_live_on_the_unit_its_first_id_hashes_to(ray_session):
         other.put_samples(partition_id="p", sample_ids=["late"],
                           fields={"logprobs": nested_from_lengths(row, torch.tensor([4 * big]))})
         plan = client._call("locate", partition_id="p", sample_ids=["late"], select_fields=["logprobs"])
-        assert plan["fields"]["logprobs"][3][0].owner_address() == owner[unit_of("late", 2)]
+        assert plan["fields"]["logprobs"][3][0].unit == f"tq_plugin_tests_unit{unit_of('late', 2)}"
         other.close()
         client.clear_samples(partition_id="p", sample_ids=None)
         assert client.list_sample_ids("p") == [] and client.stats()["live_bytes"] == 0
@@ -153,19 +185,11 @@ def test_a_puts_bytes_live_on_the_unit_its_first_id_hashes_to(ray_session):
         client.close()
 
 
-def _plasma_objects(ray) -> int:
-    """Objects in this cluster's shared-memory object store."""
-    from ray._private.internal_api import memory_summary
-
-    text = memory_summary(address=ray.get_runtime_context().gcs_address, stats_only=True)
-    return int(next(x for x in text.splitlines() if "Plasma memory usage" in x).split()[5])
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_a_units_objects_go_when_their_rows_are_cleared_or_their_put_is_refused(ray_session):
-    """The controller borrows a unit's objects: a clear, and a put it refuses after the unit
-    staged the bytes, leave the object store as it was (Ray's reference counting frees them)."""
+def test_a_units_blocks_go_when_their_rows_are_cleared_or_their_put_is_refused(ray_session):
+    """A clear frees the unit's blocks (the controller tells it after the call), and a put the
+    controller refuses leaves nothing on the unit; the refusal is the controller's own error."""
     import time
 
     from tq_plugin.data_plane import RayDataPlane
@@ -174,29 +198,23 @@ def test_a_units_objects_go_when_their_rows_are_cleared_or_their_put_is_refused(
                           num_storage_units=2)
     try:
         client.register_partition("p", ["x"])
-        gc.collect()  # references earlier tests left in cycles: their objects go first
-        before, settled = _plasma_objects(ray_session), time.monotonic() + 30
-        while time.monotonic() < settled:  # Ray frees objects asynchronously
-            time.sleep(1.0)
-            now = _plasma_objects(ray_session)
-            if now == before:
-                break
-            before = now
+        gc.collect()
+        before = _unit_blocks(client)
         ids = [f"a{i}" for i in range(8)]
-        x = torch.randn(8, 1 << 15)  # 1 MiB: staged on a unit
+        x = torch.randn(8, 1 << 15)  # 1 MiB: kept on a unit
         client.put_samples(partition_id="p", sample_ids=ids, fields={"x": x})
-        assert _plasma_objects(ray_session) > before
-        with pytest.raises(ValueError, match="not declared"):  # staged, then refused
+        assert _unit_blocks(client) == before + 1
+        with pytest.raises(ValueError, match="not declared"):  # routed to a unit, then refused
             client.put_samples(partition_id="p", sample_ids=["b0", "b1"],
                                fields={"y": torch.randn(2, 1 << 17)})
+        assert _unit_blocks(client) == before + 1
         assert client.list_sample_ids("p") == ids
         got = client.get_samples(partition_id="p", sample_ids=ids, select_fields=["x"])["x"]
         assert torch.equal(got, x)
-        del got
         client.clear_samples(partition_id="p", sample_ids=ids)
-        deadline = time.monotonic() + 30  # Ray frees objects asynchronously
-        while _plasma_objects(ray_session) > before and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert _plasma_objects(ray_session) == before
+        deadline = time.monotonic() + 30  # the free is sent after the clear's call
+        while _unit_blocks(client) > before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _unit_blocks(client) == before
     finally:
         client.close()

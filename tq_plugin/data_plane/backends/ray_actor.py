@@ -54,7 +54,7 @@ from tq_plugin.data_plane.backends.ray_columns import (
     stage_block,
     staged_blocks,
 )
-from tq_plugin.data_plane.backends.ray_sharded import StorageUnits, checked_units
+from tq_plugin.data_plane.backends.ray_sharded import StorageUnits, checked_units, free_released
 from tq_plugin.data_plane.calls import uniform_call
 from tq_plugin.data_plane.checkpoint import Restored, load_into
 from tq_plugin.data_plane.client import DataPlaneClosedError, FieldsLike
@@ -178,12 +178,17 @@ class _StoreHost:
         target = self._stores.get(store)
         if target is None:
             raise DataPlaneClosedError(f"data-plane store {store!r} is closed")
-        return getattr(target, method)(**kwargs)
+        try:
+            return getattr(target, method)(**kwargs)
+        finally:
+            free_released()  # blocks storage units hold that no row holds any more
 
     def drop(self, store: str) -> None:
         target = self._stores.pop(store, None)
         if target is not None:
             target.close()
+            del target
+            free_released()
 
 
 class RayDataPlane:
@@ -326,18 +331,18 @@ class RayDataPlane:
         tags: Sequence[Mapping[str, Any]] | None = None,
         **options: Any,
     ) -> KVBatchMeta:
-        """``LocalDataPlane.put_samples`` semantics; ``options`` (e.g. ``mode``) pass through."""
-        return self._call(
-            "put_samples", sample_ids=_listed(sample_ids), partition_id=partition_id,
-            fields=self._encode(sample_ids, fields),
-            tags=None if tags is None else [dict(t) for t in tags],
-            **options,
-        )
-
-    def _encode(self, sample_ids: Any, fields: FieldsLike | None) -> Any:
-        """A put's payload for the actor; with storage units, its large blocks staged there."""
-        payload = encode_fields(fields)
-        return payload if self.storage_units is None else self.storage_units.stage(sample_ids, payload)
+        """``LocalDataPlane.put_samples`` semantics; ``options`` (e.g. ``mode``) pass through.
+        With storage units, a put with blocks for one goes to it (``StorageUnits.put``)."""
+        kwargs = dict(sample_ids=_listed(sample_ids), partition_id=partition_id,
+                      fields=encode_fields(fields),
+                      tags=None if tags is None else [dict(t) for t in tags], **options)
+        if self.storage_units is not None:
+            if self._closed:
+                raise DataPlaneClosedError("RayDataPlane client is closed; create a new client")
+            routed, receipt = self.storage_units.put(self.store, kwargs)
+            if routed:
+                return receipt
+        return self._call("put_samples", **kwargs)
 
     @uniform_call
     def get_samples(

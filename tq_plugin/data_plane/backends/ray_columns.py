@@ -13,6 +13,7 @@ block is put or fetched.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 import warnings
@@ -94,16 +95,81 @@ def encode_fields(fields: FieldsLike | None) -> Any:
     return ("enc", batch, out)
 
 
-class StagedBlock(NamedTuple):
-    """A put's field block a storage unit (``ray_sharded``) already holds in Ray's object store,
-    in place of its bytes: the store checks the put against its shape and dtype alone."""
+class UnitKey(NamedTuple):
+    """Where a storage unit (``ray_sharded``) holds a block in its own memory: the unit's actor
+    (``namespace``, ``unit`` name) and the block's key there. Clients fetch blocks by it."""
 
-    ref: Any  # the ObjectRef the storage unit owns
+    namespace: str
+    unit: str
+    key: int
+
+
+class HeldKey:
+    """The store actor's hold on a block a storage unit keeps (a ``RefColumn`` block value, as an
+    ``ObjectRef`` is for a block in Ray's object store): when the last column lets go of it,
+    the unit is told to free the block (``released_keys``, sent after the store's call).
+    Pickled (a read's answer), it travels as the plain ``UnitKey``."""
+
+    __slots__ = ("__weakref__", "where")
+
+    def __init__(self, where: UnitKey) -> None:
+        self.where = where
+
+    def __reduce__(self) -> tuple:
+        return (UnitKey, tuple(self.where))
+
+    def __del__(self) -> None:
+        _RELEASED.append(self.where)
+
+
+# Keys whose last hold went (appended by HeldKey.__del__, drained by released_keys), and the one
+# HeldKey of each live key, so two holds of a key never free it twice.
+_RELEASED: collections.deque[UnitKey] = collections.deque()
+_HELD: weakref.WeakValueDictionary[UnitKey, HeldKey] = weakref.WeakValueDictionary()
+_HELD_LOCK = threading.Lock()
+
+
+def hold(where: UnitKey) -> HeldKey:
+    with _HELD_LOCK:
+        held = _HELD.get(where)
+        if held is None:
+            held = _HELD[where] = HeldKey(where)
+        return held
+
+
+def released_keys() -> dict[tuple[str, str], list[int]]:
+    """The keys no column holds any more, by unit (``(namespace, name)``); drained."""
+    out: dict[tuple[str, str], list[int]] = {}
+    while _RELEASED:
+        try:
+            where = _RELEASED.popleft()
+        except IndexError:
+            break
+        out.setdefault((where.namespace, where.unit), []).append(where.key)
+    return out
+
+
+# (namespace, name) -> a storage unit's actor handle, looked up once per process.
+UNIT_HANDLES: dict[tuple[str, str], Any] = {}
+
+
+def unit_handle(namespace: str, name: str) -> Any:
+    handle = UNIT_HANDLES.get((namespace, name))
+    if handle is None:
+        handle = UNIT_HANDLES[(namespace, name)] = import_ray().get_actor(name, namespace=namespace)
+    return handle
+
+
+class StagedBlock(NamedTuple):
+    """A put's field block a storage unit (``ray_sharded``) already holds, in place of its
+    bytes: the store checks the put against its shape and dtype alone."""
+
+    held: UnitKey  # where the storage unit keeps the bytes
     shape: tuple[int, ...]
 
 
-# Storage address of a decoded stand-in (``_stand_in``) -> the ObjectRef holding its bytes; an
-# entry lives as long as the stand-in tensor (a weakref finalizer drops it).
+# Storage address of a decoded stand-in (``_stand_in``) -> the UnitKey of its bytes; an entry
+# lives as long as the stand-in tensor (a weakref finalizer drops it).
 _STAGED_REFS: dict[int, Any] = {}
 
 
@@ -112,7 +178,7 @@ def _stand_in(block: StagedBlock, dtype: str) -> torch.Tensor:
     reads shapes and dtypes, and ``stage_block`` maps it (or a view of it) back to the ref."""
     t = torch.zeros((), dtype=getattr(torch, dtype)).expand(*block.shape)
     key = t.untyped_storage().data_ptr()
-    _STAGED_REFS[key] = block.ref
+    _STAGED_REFS[key] = block.held
     weakref.finalize(t, _STAGED_REFS.pop, key, None)
     return t
 
@@ -309,11 +375,12 @@ def staged_blocks(staged: dict[int, tuple[Any, int, int]]) -> Iterator[None]:
 
 def stage_block(block: torch.Tensor) -> tuple[Any, int, int]:
     """``(held, elements, bytes)`` for a block: an inline copy, or a Ray object the caller owns
-    (a block a storage unit staged already: that unit's object, nothing copied)."""
+    (a block a storage unit holds already: a ``HeldKey`` on it, nothing copied)."""
     if _STAGED_REFS:
-        ref = _STAGED_REFS.get(block.untyped_storage().data_ptr())
-        if ref is not None:
-            return ref, int(block.shape[0]), block.numel() * block.element_size()
+        where = _STAGED_REFS.get(block.untyped_storage().data_ptr())
+        if where is not None:
+            held = hold(where) if isinstance(where, UnitKey) else where
+            return held, int(block.shape[0]), block.numel() * block.element_size()
     arr = as_numpy(block.contiguous())
     # Keep nothing that aliases the caller's (argument) buffers: copy small blocks, put big ones.
     held = arr.copy() if arr.nbytes < INLINE_BYTES else import_ray().put(arr)
@@ -327,11 +394,30 @@ def _take_staged(block: torch.Tensor) -> tuple[Any, int, int]:
 
 
 def fetch_blocks(blocks: list[Any], timeout_s: float | None = None) -> list[np.ndarray]:
-    """The arrays of ``blocks`` (inline ones as they are, Ray objects in one ``ray.get``)."""
-    refs = [i for i, b in enumerate(blocks) if not isinstance(b, np.ndarray)]
+    """The arrays of ``blocks``: inline ones as they are; Ray objects, and the blocks storage
+    units hold (one call per unit, for all of its keys), in one ``ray.get``."""
+    refs: list[int] = []
+    units: dict[tuple[str, str], list[int]] = {}
+    for i, b in enumerate(blocks):
+        if isinstance(b, np.ndarray):
+            continue
+        where = b.where if isinstance(b, HeldKey) else b
+        if isinstance(where, UnitKey):
+            units.setdefault((where.namespace, where.unit), []).append(i)
+        else:
+            refs.append(i)
     out = list(blocks)
-    if refs:
-        for i, arr in zip(refs, import_ray().get([blocks[i] for i in refs], timeout=timeout_s)):
+    if not refs and not units:
+        return out
+    wanted = [blocks[i] for i in refs]
+    for (namespace, name), idx in units.items():
+        keys = [(blocks[i].where if isinstance(blocks[i], HeldKey) else blocks[i]).key for i in idx]
+        wanted.append(unit_handle(namespace, name).get.remote(keys))
+    got = import_ray().get(wanted, timeout=timeout_s)
+    for i, arr in zip(refs, got):
+        out[i] = arr
+    for idx, arrays in zip(units.values(), got[len(refs):]):
+        for i, arr in zip(idx, arrays):
             out[i] = arr
     return out
 

@@ -7,54 +7,121 @@ actors that hold the bytes:
 * **Metadata in one place.** Schema, validation, row ids and slots, tags, first-put order, claim
   cursors and the receipts (``KVBatchMeta``) stay in the controller, exactly as with one actor,
   so a claim never hands out a row twice and every put is checked against one schema.
-* **Bytes on the storage units.** A put's field blocks of at least ``min_bytes`` go to the unit
-  its first sample id hashes to (CRC-32 modulo ``S``; one-row puts, which staging makes, are
-  hashed row by row): the unit copies them into Ray's object store, so it *owns* them, and
-  answers with their references. The client then sends the controller the put with a
-  ``StagedBlock`` (reference, shape) in place of each such block; the controller validates the
-  put against shapes and dtypes (it never reads those bytes) and keeps the references. The copy
-  of the bytes, the part of a put that grows with its size, runs in the unit's process, not the
-  controller's. ``input_lengths`` (the controller reads its values to check per-token rows),
-  one-element blocks and jagged blocks whose offsets do not span their values travel inline.
-* **Reads gather from every unit at once.** The controller answers a read with references; the
-  client fetches them all in one ``ray.get`` whichever units own them.
+* **A put is one call, to a unit; its bytes are copied once there.** A put whose field blocks
+  of at least ``min_bytes`` (and two or more elements) a unit can take goes to the unit its
+  first sample id hashes to (CRC-32 modulo ``S``). The unit copies those blocks out of the
+  call's argument into its own memory (the one copy of the bytes a put makes past Ray's
+  transport; no Ray object is made, so the unit, not the writer, keeps them: a writer may exit
+  once its put returned), then forwards the put to the controller with a ``StagedBlock`` (the
+  block's ``UnitKey``, its shape) in place of each such block: a small call, which the
+  controller validates against shapes and dtypes (it never reads those bytes) and answers; the
+  unit hands the answer (the receipt) back. The controller's work per put does not grow with
+  the put's bytes. A put the controller refuses writes nothing: the unit drops the blocks and
+  raises the controller's error as it is. ``input_lengths`` (the controller reads its values),
+  one-element blocks and jagged blocks whose offsets do not span their values travel inline; a
+  put with nothing for a unit goes to the controller directly.
+* **Reads gather from every unit at once.** The controller answers a read with where the
+  blocks are; the client asks each unit holding some for all of its blocks, and waits on those
+  calls (and any Ray objects) in one ``ray.get``.
 * **A clear is atomic across units**: only the controller's metadata says which rows exist, and
-  it drops a cleared row's references under its lock; a unit's object is freed by Ray's
-  reference counting once no row (and no reader) holds it.
-* **Checkpoints cover every unit**: ``save`` runs in the controller, which reads every row's
-  bytes through its references whichever unit owns them; ``restore`` puts the rows back through
-  the controller (it then owns their blocks).
+  it drops a cleared row's hold on its block under its lock; once no row holds a block
+  (``HeldKey``), the controller tells the unit to free it, after the call. A read racing a
+  clear of the same rows may find a block gone: it fails with a ``KeyError`` naming the unit.
+* **Checkpoints cover every unit**: ``save`` runs in the controller, which fetches every row's
+  bytes from whichever unit holds them; ``restore`` puts the rows back through the controller
+  (it then owns their blocks, as Ray objects).
 
-A put whose blocks are staged on a unit and then refused by the controller writes nothing: the
-references die with the call and Ray frees the objects.
+A unit that dies loses the bytes it holds (reads of those rows fail), as the single actor's
+death loses all of them.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
 import zlib
 from collections.abc import Sequence
 from typing import Any
 
-from tq_plugin.data_plane.backends.ray_cluster import import_ray
-from tq_plugin.data_plane.backends.ray_columns import INLINE_BYTES, StagedBlock
-from tq_plugin.data_plane.schema import INPUT_LENGTHS
+import numpy as np
 
-_UNITS: dict[tuple[str, str], Any] = {}
+from tq_plugin.data_plane.backends.ray_cluster import import_ray
+from tq_plugin.data_plane.backends.ray_columns import (
+    INLINE_BYTES,
+    UNIT_HANDLES,
+    StagedBlock,
+    UnitKey,
+    released_keys,
+    unit_handle,
+)
+from tq_plugin.data_plane.schema import INPUT_LENGTHS
 
 
 class _StorageUnit:
-    """A storage-unit actor: owns the Ray objects holding the blocks staged through it."""
+    """A storage-unit actor: keeps the blocks of the puts routed to it, in its own memory, and
+    forwards each put's metadata to the controller (the store actor ``controller``)."""
 
-    def stage(self, arrays: list[Any]) -> list[Any]:
-        """Copy each array into Ray's object store (this process owns the object) and answer
-        with the references: the arguments belong to the caller and die with it."""
+    def __init__(self, namespace: str, name: str, controller: str) -> None:
+        self._namespace, self._name, self._controller_name = namespace, name, controller
+        self._controller: Any = None
+        self._blocks: dict[int, np.ndarray] = {}
+        self._keys = itertools.count()
+
+    def put(self, store: str, kwargs: dict, picked: list[int], timeout_s: float) -> Any:
+        """Keep the payload's blocks at ``picked`` and put the rest, with a ``StagedBlock`` for
+        each kept block, through the controller; its answer (the receipt) or its error."""
         ray = import_ray()
-        return [ray.put(a) for a in arrays]
+        _, batch, items = kwargs["fields"]
+        items, keys = list(items), []
+        for i in picked:
+            name, kind, dtype, data, offsets = items[i]
+            key = next(self._keys)
+            # A copy: the argument's buffer is Ray's (shared memory the caller owns).
+            self._blocks[key] = np.array(data, copy=True)
+            keys.append(key)
+            where = UnitKey(self._namespace, self._name, key)
+            items[i] = (name, kind, dtype, StagedBlock(where, tuple(data.shape)), offsets)
+        if self._controller is None:
+            self._controller = ray.get_actor(self._controller_name, namespace=self._namespace)
+        try:
+            return ray.get(self._controller.call.remote(store, "put_samples",
+                                                        {**kwargs, "fields": ("enc", batch, items)}),
+                           timeout=timeout_s)
+        except BaseException as err:
+            for key in keys:  # refused (or lost): nothing of it stays
+                self._blocks.pop(key, None)
+            cause = getattr(err, "cause", None)
+            if isinstance(err, ray.exceptions.RayTaskError) and isinstance(cause, Exception):
+                raise cause from None  # the controller's own error, as the single actor raises it
+            raise
+
+    def get(self, keys: list[int]) -> list[np.ndarray]:
+        try:
+            return [self._blocks[k] for k in keys]
+        except KeyError as err:
+            raise KeyError(f"storage unit {self._name!r}: block {err.args[0]} is gone (its rows "
+                           "were cleared, perhaps while this read ran)") from None
+
+    def free(self, keys: list[int]) -> None:
+        for k in keys:
+            self._blocks.pop(k, None)
+
+    def held(self) -> tuple[int, int]:
+        """``(blocks, bytes)`` this unit holds (tests check a clear frees them)."""
+        return len(self._blocks), sum(a.nbytes for a in self._blocks.values())
 
     def pid(self) -> int:
-        import os
-
         return os.getpid()
+
+
+def free_released() -> None:
+    """Tell each unit to free the blocks the store actor no longer holds (fire and forget: a
+    unit frees them in order with the calls that follow)."""
+    for (namespace, name), keys in released_keys().items():
+        try:
+            unit_handle(namespace, name).free.remote(keys)
+        except ValueError:  # no such unit (gone with its cluster): nothing left to free
+            UNIT_HANDLES.pop((namespace, name), None)
 
 
 def checked_units(num_storage_units: Any) -> int:
@@ -88,7 +155,7 @@ def shipped(items: Sequence[tuple], min_bytes: int) -> list[int]:
 
 class StorageUnits:
     """The ``S`` storage-unit actors of one controller (named ``<actor_name>_unit<k>`` in its
-    namespace), and the put-side step that stages blocks on them."""
+    namespace), and the put-side step that routes a put to one of them."""
 
     def __init__(self, actor_name: str, namespace: str, count: int, *, create: bool = True,
                  min_bytes: int = INLINE_BYTES, op_timeout_s: float = 300.0) -> None:
@@ -99,51 +166,40 @@ class StorageUnits:
         self.units = []
         for k in range(self.count):
             name = f"{actor_name}_unit{k}"
-            handle = _UNITS.get((namespace, name))
+            handle = UNIT_HANDLES.get((namespace, name))
             if handle is None:
                 if create:
                     # num_cpus=0 like the controller: the units never take a worker's CPU slot.
+                    # max_concurrency: a put waits in the unit for the controller's answer.
                     handle = (ray.remote(_StorageUnit)
                               .options(name=name, namespace=namespace, num_cpus=0,
-                                       max_concurrency=4, get_if_exists=True).remote())
+                                       max_concurrency=16, get_if_exists=True)
+                              .remote(namespace, name, actor_name))
                 else:
                     handle = ray.get_actor(name, namespace=namespace)
-                _UNITS[(namespace, name)] = handle
+                UNIT_HANDLES[(namespace, name)] = handle
             self.units.append(handle)
 
-    def _ships(self, name: str, kind: str, data: Any, offsets: Any) -> bool:
-        if name == INPUT_LENGTHS or not hasattr(data, "nbytes"):
-            return False
-        if data.nbytes < self.min_bytes or data.size < 2:
-            return False
-        # A jagged block goes whole: its offsets must start at 0 and end at its last value.
-        return kind == "dense" or (len(offsets) > 0 and offsets[0] == 0
-                                   and offsets[-1] == data.shape[0])
-
-    def stage(self, sample_ids: Any, payload: Any) -> Any:
-        """``payload`` (``encode_fields``'s) with its large blocks staged on the storage unit
-        the put's first sample id hashes to; anything the store will refuse travels as it is,
-        so its error names it exactly as with one actor."""
+    def put(self, store: str, kwargs: dict) -> tuple[bool, Any]:
+        """Route a put (``put_samples``' keywords, its fields ``encode_fields``'s payload) to the
+        unit its first sample id hashes to: ``(True, receipt)``. ``(False, None)`` when no
+        block of it is for a unit, or it is malformed (the controller then takes it as it is,
+        so its error names it exactly as with one actor)."""
+        payload, sample_ids = kwargs.get("fields"), kwargs.get("sample_ids")
         if (payload is None or payload[0] != "enc" or not isinstance(sample_ids, Sequence)
                 or isinstance(sample_ids, str) or not sample_ids
                 or not isinstance(sample_ids[0], str)):
-            return payload
-        _, batch, items = payload
-        picked = shipped(items, self.min_bytes)
+            return False, None
+        picked = shipped(payload[2], self.min_bytes)
         if not picked:
-            return payload
+            return False, None
         unit = self.units[unit_of(sample_ids[0], self.count)]
-        refs = import_ray().get(unit.stage.remote([items[i][3] for i in picked]),
-                                timeout=self.op_timeout_s)
-        items = list(items)
-        for i, ref in zip(picked, refs):
-            name, kind, dtype, data, offsets = items[i]
-            items[i] = (name, kind, dtype, StagedBlock(ref, tuple(data.shape)), offsets)
-        return ("enc", batch, items)
+        return True, import_ray().get(unit.put.remote(store, kwargs, picked, self.op_timeout_s),
+                                      timeout=self.op_timeout_s + 5.0)
 
     def pids(self) -> list[int]:
         """The storage units' process ids (benchmarks read their CPU time)."""
         return import_ray().get([u.pid.remote() for u in self.units], timeout=self.op_timeout_s)
 
 
-__all__ = ["StorageUnits", "checked_units", "shipped", "unit_of"]
+__all__ = ["StorageUnits", "checked_units", "free_released", "shipped", "unit_of"]
