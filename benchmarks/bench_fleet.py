@@ -94,13 +94,17 @@ class FleetHost:
             stage_t, put_t, version_t = [], [], []
             rows = nbytes = calls = 0
             g = 0
+            bare = cfg.get("bare", False)  # puts only: one group built once, put again and again
+            fields: dict[str, torch.Tensor] = {}
+            version = 0
             while time.time() < stop_at:
-                lens = lengths(rng, cfg["group"], cfg["fixed_len"])
+                if not (bare and fields):
+                    lens = lengths(rng, cfg["group"], cfg["fixed_len"])
                 if cfg["tokens_per_s"]:
                     time.sleep(float(lens.max()) / cfg["tokens_per_s"])
                 ids = [f"w{w}/g{g}/r{i}" for i in range(cfg["group"])]
                 g += 1
-                for sid, n_tok in zip(ids, lens.tolist()):
+                for sid, n_tok in zip([] if bare else ids, lens.tolist()):
                     gen = n_tok - 32
                     chain = make_staged_chain(sid, [(rng.integers(0, 150_000, 32).tolist(),
                                                      rng.integers(0, 150_000, gen).tolist(),
@@ -109,25 +113,27 @@ class FleetHost:
                     for record in chain:
                         sink.stage(record)
                     stage_t.append(time.perf_counter() - t)
-                if g % 16 == 0:  # the staged calls were finalized: drop them
+                if not bare and g % 16 == 0:  # the staged calls were finalized: drop them
                     staging.clear_samples(partition_id="staging",
                                           sample_ids=staging.list_sample_ids("staging"))
-                t = time.perf_counter()
-                weights = client.list_sample_ids(WEIGHTS)
-                version_t.append(time.perf_counter() - t)
-                version = max((int(s.split("/")[1]) for s in weights), default=0)
+                if not bare:
+                    t = time.perf_counter()
+                    weights = client.list_sample_ids(WEIGHTS)
+                    version_t.append(time.perf_counter() - t)
+                    version = max((int(s.split("/")[1]) for s in weights), default=0)
                 total = int(lens.sum())
-                offsets = torch.zeros(len(ids) + 1, dtype=torch.int64)
-                offsets[1:] = torch.from_numpy(np.cumsum(lens))
-                nt = torch.nested.nested_tensor_from_jagged
-                fields = {
-                    "input_ids": nt(torch.randint(0, 150_000, (total,)), offsets),
-                    "generation_logprobs": nt(-torch.rand(total), offsets),
-                    "token_mask": nt(torch.ones(total, dtype=torch.int8), offsets),
-                    "input_lengths": torch.from_numpy(lens.copy()),
-                    "reward": torch.rand(len(ids)),
-                    "weight_version": torch.full((len(ids),), version, dtype=torch.int64),
-                }
+                if not (bare and fields):
+                    offsets = torch.zeros(len(ids) + 1, dtype=torch.int64)
+                    offsets[1:] = torch.from_numpy(np.cumsum(lens))
+                    nt = torch.nested.nested_tensor_from_jagged
+                    fields = {
+                        "input_ids": nt(torch.randint(0, 150_000, (total,)), offsets),
+                        "generation_logprobs": nt(-torch.rand(total), offsets),
+                        "token_mask": nt(torch.ones(total, dtype=torch.int8), offsets),
+                        "input_lengths": torch.from_numpy(lens.copy()),
+                        "reward": torch.rand(len(ids)),
+                        "weight_version": torch.full((len(ids),), version, dtype=torch.int64),
+                    }
                 tags = [{"ticket": g, "version": version, "worker": w}] * len(ids)
                 t = time.perf_counter()
                 client.put_samples(partition_id=cfg["partition"], sample_ids=ids, fields=fields,
@@ -135,7 +141,7 @@ class FleetHost:
                 put_t.append(time.perf_counter() - t)
                 rows += len(ids)
                 nbytes += total * BYTES_PER_TOKEN + len(ids) * 20
-                calls += 2
+                calls += 1 if bare else 2
             staging.close()
             with lock:
                 out["stage"] += stage_t
@@ -243,6 +249,23 @@ def _store_pids(client: Any) -> tuple[list[int], list[int]]:
     return controller, units
 
 
+def _ray_pids() -> dict[str, list[int]]:
+    """The rest of the box's CPU this run uses: the rollout workers' processes, the driver (the
+    trainer ranks' threads) and Ray's own (raylet, GCS, the rest)."""
+    out: dict[str, list[int]] = {"workers": [], "driver": [os.getpid()], "ray": []}
+    for p in psutil.Process().children(recursive=True):
+        try:
+            line = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+        if "FleetHost" in line:
+            out["workers"].append(p.pid)
+        elif not any(k in line for k in ("_StoreHost", "_StorageUnit", "TransferQueueController",
+                                         "SimpleStorageUnit")):
+            out["ray"].append(p.pid)
+    return out
+
+
 def _cpu_seconds(pids: list[int]) -> float:
     total = 0.0
     for pid in pids:
@@ -257,7 +280,7 @@ def _cpu_seconds(pids: list[int]) -> float:
 def run_fleet(hosts: list[Any], *, units: int, workers: int, ranks: int, seconds: float,
               fixed_len: int | None, tokens_per_s: float, group: int = 4, claim_rows: int = 16,
               rows_per_step: int = 256, max_staleness: int = 1, seed: int = 0,
-              backend: str = "ray") -> dict:
+              backend: str = "ray", bare: bool = False) -> dict:
     import ray
 
     from tq_plugin.data_plane import RayDataPlane
@@ -277,13 +300,15 @@ def run_fleet(hosts: list[Any], *, units: int, workers: int, ranks: int, seconds
     controller, unit_pids = _store_pids(client)
     cfg = {"partition": part, "group": group, "fixed_len": fixed_len, "tokens_per_s": tokens_per_s,
            "claim_rows": claim_rows, "rows_per_step": rows_per_step, "max_staleness": max_staleness,
-           "seed": seed}
+           "seed": seed, "bare": bare}
     start = time.time() + 1.0  # every host starts together
     cfg["stop_at"] = start + seconds
     per = [workers // len(hosts) + (i < workers % len(hosts)) for i in range(len(hosts))]
     firsts = np.cumsum([0, *per[:-1]]).tolist()
     time.sleep(max(0.0, start - 1.0 - time.time()))
+    others = _ray_pids()
     ctl0, units0 = _cpu_seconds(controller), _cpu_seconds(unit_pids)
+    others0 = {k: _cpu_seconds(v) for k, v in others.items()}
     box0, t0 = psutil.cpu_times(), time.time()
     futures = [h.run.remote(client, cfg, f, n) for h, f, n in zip(hosts, firsts, per) if n]
     state = {"consumed": 0, "version": 0}
@@ -300,6 +325,7 @@ def run_fleet(hosts: list[Any], *, units: int, workers: int, ranks: int, seconds
     wall = time.time() - t0
     ctl = _cpu_seconds(controller) - ctl0
     unit_cpu = _cpu_seconds(unit_pids) - units0
+    other_cpu = {k: (_cpu_seconds(v) - others0[k]) / wall for k, v in others.items()}
     box1 = psutil.cpu_times()
     busy = sum(getattr(box1, k) - getattr(box0, k) for k in ("user", "system", "nice"))
     w = {k: [x for g in got for x in g[k]] for k in ("stage", "put", "version")}
@@ -322,7 +348,8 @@ def run_fleet(hosts: list[Any], *, units: int, workers: int, ranks: int, seconds
         "empty_s": out["empty"] / wall, "puts": sum(len(g["put"]) for g in got),
         "controller_ms_per_put_row": 1e3 * ctl / max(1, put_rows), "box_cpu": busy / wall / (psutil.cpu_count() or 1),
         "meta_kb_step": out["meta_bytes"] / steps / 1e3, "dropped": out["dropped"],
-        "stale_max": out["stale_max"],
+        "stale_max": out["stale_max"], "workers_cpu": other_cpu["workers"],
+        "ranks_cpu": other_cpu["driver"], "ray_cpu": other_cpu["ray"],
     }
 
 
@@ -342,6 +369,19 @@ def _hosts(procs: int) -> list[Any]:
     hosts = [remote.remote() for _ in range(procs)]
     ray.get([h.pid.remote() for h in hosts])
     return hosts
+
+
+def _side(name: str, units: int, full: list[dict], bare: list[dict]) -> list[str]:
+    """A row of the side-by-side table: medians of the full workload's and the store-alone runs."""
+    def med(rs: list[dict], k: str) -> float:
+        return statistics.median(r[k] for r in rs)
+
+    store_ms = statistics.median(1e3 * (r["controller_cpu"] + r["units_cpu"]) * r["wall"]
+                                 / max(1, r["puts"]) for r in bare)
+    return [name, str(units), f"{med(full, 'rows_s'):,.0f}", f"{med(full, 'put_mb_s'):,.1f}",
+            f"{med(full, 'put_p99'):.1f}", f"{med(full, 'claim_p99'):.1f}",
+            f"{100 * med(full, 'controller_cpu'):.0f}%", f"{100 * med(full, 'units_cpu'):.0f}%",
+            f"{100 * med(full, 'box_cpu'):.0f}%", f"{med(bare, 'rows_s'):,.0f}", f"{store_ms:.2f}"]
 
 
 def _row(r: dict) -> list[str]:
@@ -381,9 +421,13 @@ def main(argv: list[str] | None = None) -> dict:
     if args.tq_only:  # one TransferQueue run, its figures as JSON on the last line
         import json
 
-        print(json.dumps(run_fleet(hosts, units=args.tq_only, workers=args.workers,
-                                   fixed_len=4096, tokens_per_s=0, backend="transferqueue",
-                                   **common)))
+        runs = {}
+        for bare in (False, True, False, True):  # interleaved, as the Ray store's rounds
+            runs.setdefault("bare" if bare else "full", []).append(run_fleet(
+                hosts, units=args.tq_only, workers=args.workers, fixed_len=4096, tokens_per_s=0,
+                backend="transferqueue", bare=bare, seconds=args.seconds,
+                ranks=0 if bare else args.ranks))
+        print(json.dumps(runs))
         return {}
     # 1. N grows, one store actor, realistic lengths and generation time.
     ns = sorted({n for n in (1, 4, 16, 64, 128, 256) if n <= args.workers} | {args.workers})
@@ -395,12 +439,18 @@ def main(argv: list[str] | None = None) -> dict:
         run_fleet(hosts, units=1, workers=args.workers, fixed_len=L, tokens_per_s=0, **common)
         for L in (256, 4096)]
     # 3. Shards at N = workers, 4,096-token rows, no sleep: S = 1, 2, 4 interleaved.
+    # 4. The store alone: the same puts, no staging, no version reads, no trainer ranks; each
+    #    worker puts one prebuilt group again and again (what the store's CPU per put is).
     by_s: dict[int, list[dict]] = {1: [], 2: [], 4: []}
+    bare_s: dict[int, list[dict]] = {1: [], 2: [], 4: []}
     for _ in range(args.rounds):
         for s, runs in by_s.items():
             runs.append(run_fleet(hosts, units=s, workers=args.workers, fixed_len=4096,
-                                     tokens_per_s=0, **common))
-    tq_runs: dict[int, dict] = {}
+                                  tokens_per_s=0, **common))
+        for s, runs in bare_s.items():
+            runs.append(run_fleet(hosts, units=s, workers=args.workers, fixed_len=4096,
+                                  tokens_per_s=0, ranks=0, seconds=args.seconds, bare=True))
+    tq_runs: dict[int, tuple[list[dict], list[dict]]] = {}
     if args.transferqueue:  # each in a process (and a Ray) of its own: TransferQueue starts once
         import json
         import subprocess
@@ -411,7 +461,8 @@ def main(argv: list[str] | None = None) -> dict:
                  "--workers", str(args.workers), "--ranks", str(args.ranks),
                  "--procs", str(args.procs), "--seconds", str(args.seconds)],
                 capture_output=True, text=True, timeout=600, check=True)
-            tq_runs[s] = json.loads(proc.stdout.strip().splitlines()[-1])
+            got = json.loads(proc.stdout.strip().splitlines()[-1])
+            tq_runs[s] = (got["full"], got["bare"])
     load_after = os.getloadavg()
     first_10ms = next((r["workers"] for r in sweep if r["claim_p99"] > 10), None)
 
@@ -426,8 +477,23 @@ def main(argv: list[str] | None = None) -> dict:
                    f"{med(rs, 'claim_p99'):.1f}", f"{100 * med(rs, 'controller_cpu'):.0f}%",
                    f"{100 * med(rs, 'units_cpu'):.0f}%",
                    f"{med(rs, 'controller_ms_per_put_row'):.2f}",
+                   (f"{100 * med(rs, 'workers_cpu'):.0f}% / {100 * med(rs, 'ranks_cpu'):.0f}% / "
+                   f"{100 * med(rs, 'ray_cpu'):.0f}%"),
                    f"{100 * med(rs, 'box_cpu'):.0f}%"] for s, rs in by_s.items()]
     s2 = med(by_s[2], "rows_s") / base
+    bare_base = med(bare_s[1], "rows_s")
+
+    def per_put(rs: list[dict], k: str) -> str:  # CPU ms per put
+        return f"{statistics.median(1e3 * r[k] * r['wall'] / max(1, r['puts']) for r in rs):.2f}"
+
+    bare_rows = [[str(s), (f"{med(rs, 'rows_s') / 4:,.0f} ({min(r['rows_s'] for r in rs) / 4:,.0f}–"
+                          f"{max(r['rows_s'] for r in rs) / 4:,.0f})"),
+                  f"{med(rs, 'rows_s'):,.0f}", f"{med(rs, 'rows_s') / bare_base:.2f}x",
+                  f"{med(rs, 'put_p50'):.1f} / {med(rs, 'put_p99'):.1f}",
+                  " / ".join(per_put(rs, k) for k in ("controller_cpu", "units_cpu", "workers_cpu",
+                                                      "ray_cpu")),
+                  f"{100 * med(rs, 'box_cpu'):.0f}%"] for s, rs in bare_s.items()]
+    bare2 = med(bare_s[2], "rows_s") / bare_base
     md = "\n".join([
         "## Simulated fleet on the shared Ray store (bench_fleet)",
         "",
@@ -453,31 +519,38 @@ def main(argv: list[str] | None = None) -> dict:
          "interleaved, median (min-max)):"),
         "",
         table(["S", "rows/s", "put MB/s", "vs S=1", "put p99 ms", "claim p99 ms",
-               "controller CPU", "units CPU", "controller CPU ms per row", "box CPU"], shard_rows),
+               "controller CPU", "units CPU", "controller CPU ms per row",
+               "workers / ranks / Ray CPU", "box CPU"], shard_rows),
+        "",
+        (f"The store alone at N = {args.workers} (the same 4,096-token groups of 4 rows, built "
+         "once per worker and put again and again: no staging, no version reads, no trainer "
+         "ranks; same rounds, interleaved with the runs above; CPU per put in ms):"),
+        "",
+        table(["S", "puts/s", "rows/s", "vs S=1", "put p50/p99 ms",
+               "CPU ms/put: controller / units / workers / Ray", "box CPU"], bare_rows),
     ])
     if tq_runs:
         md += "\n\n" + "\n".join([
-            ("The same workload on `tq/backend=transferqueue` (TransferQueue 0.1.11, one run "
-             "each, after the Ray store's; its controller and storage units count as the store):"),
+            ("The same workloads on `tq/backend=transferqueue` (TransferQueue 0.1.11; each unit "
+             "count in a process and a Ray of its own, after the Ray store's rounds, its full and "
+             "store-alone runs interleaved, 2 of each, medians; its controller and storage units "
+             "count as the store) beside the Ray store's medians above:"),
             "",
             table(["backend", "units", "rows/s", "put MB/s", "put p99 ms", "claim p99 ms",
-                   "controller CPU", "units CPU", "box CPU"],
-                  [["ray", str(s), f"{med(by_s[s], 'rows_s'):,.0f}", f"{med(by_s[s], 'put_mb_s'):,.1f}",
-                    f"{med(by_s[s], 'put_p99'):.1f}", f"{med(by_s[s], 'claim_p99'):.1f}",
-                    f"{100 * med(by_s[s], 'controller_cpu'):.0f}%",
-                    f"{100 * med(by_s[s], 'units_cpu'):.0f}%", f"{100 * med(by_s[s], 'box_cpu'):.0f}%"]
-                   for s in (1, 2)]
-                  + [["transferqueue", str(s), f"{r['rows_s']:,.0f}", f"{r['put_mb_s']:,.1f}",
-                      f"{r['put_p99']:.1f}", f"{r['claim_p99']:.1f}",
-                      f"{100 * r['controller_cpu']:.0f}%", f"{100 * r['units_cpu']:.0f}%",
-                      f"{100 * r['box_cpu']:.0f}%"] for s, r in tq_runs.items()]),
+                   "controller CPU", "units CPU", "box CPU", "store alone: rows/s",
+                   "store alone: store CPU ms/put"],
+                  [_side(name, s, full, bare)
+                   for s in (1, 2)
+                   for name, full, bare in (("ray", by_s[s], bare_s[s]),
+                                            ("transferqueue", *tq_runs[s]))]),
         ])
     print(md)
-    key = {"fleet_s2_vs_s1": f"{s2:.2f}x"}
+    key = {"fleet_s2_vs_s1": f"{s2:.2f}x", "fleet_bare_s2_vs_s1": f"{bare2:.2f}x"}
     if ceiling:
         key = {"fleet_ceiling_rows_256": f"{ceiling[0]['rows_s']:,.0f}",
                "fleet_ceiling_rows_4096": f"{ceiling[1]['rows_s']:,.0f}", **key}
-    return {"markdown": md, "key_figures": key, "sweep": sweep, "ceiling": ceiling, "shards": by_s}
+    return {"markdown": md, "key_figures": key, "sweep": sweep, "ceiling": ceiling, "shards": by_s,
+            "bare": bare_s}
 
 
 if __name__ == "__main__":

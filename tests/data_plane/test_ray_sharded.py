@@ -189,7 +189,8 @@ def test_a_puts_bytes_live_on_the_unit_its_first_id_hashes_to(ray_session):
 @pytest.mark.timeout(120)
 def test_a_units_blocks_go_when_their_rows_are_cleared_or_their_put_is_refused(ray_session):
     """A clear frees the unit's blocks (the controller tells it after the call), and a put the
-    controller refuses leaves nothing on the unit; the refusal is the controller's own error."""
+    controller refuses leaves nothing on the unit; the refusal is the controller's own error,
+    also for a put forwarded together with others."""
     import time
 
     from tq_plugin.data_plane import RayDataPlane
@@ -211,7 +212,31 @@ def test_a_units_blocks_go_when_their_rows_are_cleared_or_their_put_is_refused(r
         assert client.list_sample_ids("p") == ids
         got = client.get_samples(partition_id="p", sample_ids=ids, select_fields=["x"])["x"]
         assert torch.equal(got, x)
-        client.clear_samples(partition_id="p", sample_ids=ids)
+        # Puts that reach a unit together go to the controller together (one call), each
+        # applied on its own: every put gets its own receipt, the bad one its own error.
+        from concurrent.futures import ThreadPoolExecutor
+
+        same = [s for s in (f"c{i}" for i in range(200)) if unit_of(s, 2) == 0][:12]
+        bad = same[5]
+
+        def put(sid):
+            name = "y" if sid == bad else "x"
+            return client.put_samples(partition_id="p", sample_ids=[sid, sid + "/b"],
+                                      fields={name: torch.full((2, 1 << 15), float(len(sid)))})
+
+        with ThreadPoolExecutor(12) as pool:
+            futures = [pool.submit(put, sid) for sid in same]
+        for sid, fut in zip(same, futures):
+            if sid == bad:
+                with pytest.raises(ValueError, match="not declared"):
+                    fut.result()
+            else:
+                assert fut.result().sample_ids == [sid, sid + "/b"]
+        good = [x for sid in same if sid != bad for x in (sid, sid + "/b")]
+        assert sorted(client.list_sample_ids("p")) == sorted(ids + good)
+        back = client.get_samples(partition_id="p", sample_ids=good, select_fields=["x"])["x"]
+        assert torch.equal(back[:, 0], torch.tensor([float(len(s.split("/")[0])) for s in good]))
+        client.clear_samples(partition_id="p", sample_ids=ids + good)
         deadline = time.monotonic() + 30  # the free is sent after the clear's call
         while _unit_blocks(client) > before and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -183,6 +183,23 @@ class _StoreHost:
         finally:
             free_released()  # blocks storage units hold that no row holds any more
 
+    def call_batch(self, calls: list[tuple[str, dict]]) -> list[tuple[bool, Any]]:
+        """Puts a storage unit forwards together (``ray_sharded``): each ``(store, kwargs)``
+        applied on its own, in order; per put ``(True, receipt)`` or ``(False, its error)``."""
+        out: list[tuple[bool, Any]] = []
+        try:
+            for store, kwargs in calls:
+                target = self._stores.get(store)
+                try:
+                    if target is None:
+                        raise DataPlaneClosedError(f"data-plane store {store!r} is closed")
+                    out.append((True, target.put_samples(**kwargs)))
+                except Exception as err:  # noqa: BLE001 - handed back to the put it belongs to
+                    out.append((False, err))
+        finally:
+            free_released()
+        return out
+
     def drop(self, store: str) -> None:
         target = self._stores.pop(store, None)
         if target is not None:

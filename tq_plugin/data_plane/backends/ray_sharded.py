@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
+import time
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -57,15 +59,36 @@ from tq_plugin.data_plane.backends.ray_columns import (
 from tq_plugin.data_plane.schema import INPUT_LENGTHS
 
 
+class _Pending:
+    """A put waiting in a unit for the controller's answer."""
+
+    __slots__ = ("done", "error", "kwargs", "lead", "result", "store", "wake")
+
+    def __init__(self, store: str, kwargs: dict) -> None:
+        self.store, self.kwargs = store, kwargs
+        self.wake = threading.Event()  # set after done or lead is
+        self.done = False  # the controller answered (result or error)
+        self.lead = False  # this put's thread is to forward the next batch
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+
 class _StorageUnit:
     """A storage-unit actor: keeps the blocks of the puts routed to it, in its own memory, and
-    forwards each put's metadata to the controller (the store actor ``controller``)."""
+    forwards each put's metadata to the controller (the store actor ``controller``).
+
+    Puts that arrive while one call to the controller is under way wait, and go in the next
+    call together (``_StoreHost.call_batch``: each applied on its own, with its own receipt or
+    error), so the controller runs one Ray call for many puts when they come fast."""
 
     def __init__(self, namespace: str, name: str, controller: str) -> None:
         self._namespace, self._name, self._controller_name = namespace, name, controller
         self._controller: Any = None
         self._blocks: dict[int, np.ndarray] = {}
         self._keys = itertools.count()
+        self._lock = threading.Lock()
+        self._queue: list[_Pending] = []
+        self._forwarding = False
 
     def put(self, store: str, kwargs: dict, picked: list[int], timeout_s: float) -> Any:
         """Keep the payload's blocks at ``picked`` and put the rest, with a ``StagedBlock`` for
@@ -83,17 +106,55 @@ class _StorageUnit:
             items[i] = (name, kind, dtype, StagedBlock(where, tuple(data.shape)), offsets)
         if self._controller is None:
             self._controller = ray.get_actor(self._controller_name, namespace=self._namespace)
-        try:
-            return ray.get(self._controller.call.remote(store, "put_samples",
-                                                        {**kwargs, "fields": ("enc", batch, items)}),
-                           timeout=timeout_s)
-        except BaseException as err:
-            for key in keys:  # refused (or lost): nothing of it stays
+        mine = _Pending(store, {**kwargs, "fields": ("enc", batch, items)})
+        with self._lock:
+            self._queue.append(mine)
+            mine.lead = not self._forwarding
+            self._forwarding = True
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if mine.lead:
+                mine.lead = False
+                self._forward(timeout_s)
+            if mine.done:
+                break
+            if not mine.wake.wait(max(0.0, deadline - time.monotonic())):
+                # Its put may still land: the blocks stay (a leak, never a row without bytes).
+                raise TimeoutError(f"storage unit {self._name!r}: no answer from the store "
+                                   f"actor in {timeout_s:g} s")
+            mine.wake.clear()
+        if mine.error is not None:
+            for key in keys:  # refused: nothing of it stays
                 self._blocks.pop(key, None)
+            raise mine.error
+        return mine.result
+
+    def _forward(self, timeout_s: float) -> None:
+        """Send every waiting put to the controller in one call; hand the lead on after."""
+        ray = import_ray()
+        with self._lock:
+            batch, self._queue = self._queue, []
+        try:
+            answers = ray.get(self._controller.call_batch.remote(
+                [(p.store, p.kwargs) for p in batch]), timeout=timeout_s)
+        except Exception as err:  # noqa: BLE001 - the call failed: every put of it did
             cause = getattr(err, "cause", None)
             if isinstance(err, ray.exceptions.RayTaskError) and isinstance(cause, Exception):
-                raise cause from None  # the controller's own error, as the single actor raises it
-            raise
+                err = cause
+            answers = [(False, err)] * len(batch)
+        for p, (ok, value) in zip(batch, answers):
+            if ok:
+                p.result = value
+            else:
+                p.error = value
+            p.done = True
+            p.wake.set()
+        with self._lock:
+            if self._queue:  # the first put that came meanwhile forwards the next batch
+                self._queue[0].lead = True
+                self._queue[0].wake.set()
+            else:
+                self._forwarding = False
 
     def get(self, keys: list[int]) -> list[np.ndarray]:
         try:
