@@ -271,6 +271,7 @@ def main() -> dict:
         "key_figures": {
             "batch_vs_off_pipeline": f"{batch_stage:.2f}",
             "recovery_10k_s": replay.fmt(".2f", " s"),
+            "recovery_1gb_s": bulk_s.fmt(".2f", " s"),
         },
     }
 
