@@ -2,7 +2,8 @@
 ``tests/rl/topology/test_async_resume.py`` run once, the lines it prints gathered.
 
 A GRPO run on ``tq/backend=ray`` (2 rollout workers, ``max_staleness=1``, ``checkpoint_every=2``)
-is killed inside step 3 by SIGKILL and by SIGTERM and resumed to 6 steps; each line says how many
+is killed inside step 3 by SIGKILL and by SIGTERM and resumed to 6 steps (and, with in-flight weight
+updates on, SIGTERMed in step 2, resumed, SIGKILLed in step 4 and resumed); each line says how many
 prompt groups were checked (each trained exactly once across the two runs, in the uninterrupted
 run's steps) and how long the resumed run took.
 
@@ -23,12 +24,16 @@ def main() -> dict:
     t0 = time.monotonic()
     out = _pytest([TEST])
     seconds = time.monotonic() - t0
-    lines = re.findall(r"\[async resume\] (.*)$", out, flags=re.MULTILINE)  # after a "." or not
+    # after a "." or not; the in-flight run's line keeps its label
+    lines = [f"{label}{line}" for label, line in re.findall(
+        r"\[async resume(, in-flight)?\] (.*)$", out, flags=re.MULTILINE)]
+    lines = [line.replace(", in-flight", "with in-flight weight updates: ", 1) for line in lines]
     md = "\n".join([
         "### Reliability: killed asynchronous runs resume",
         "",
         (f"`{TEST}` (slow tier; {seconds:.0f} s for the file: an uninterrupted run, both kills "
-         "and their resumes): "
+         "and their resumes, and a run with `recipe.inflight_updates=true` SIGTERMed, resumed, "
+         "SIGKILLed and resumed again): "
          "`tq-train --config-name grpo tq/backend=ray recipe.topology=disaggregated "
          "recipe.rollout_workers=2 recipe.max_staleness=1 recipe.checkpoint_every=2` (4 prompts "
          "of 4 rollouts a step, 2 optimizer steps each), killed inside step 3 and resumed with "
