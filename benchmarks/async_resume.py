@@ -5,7 +5,10 @@ A GRPO run on ``tq/backend=ray`` (2 rollout workers, ``max_staleness=1``, ``chec
 is killed inside step 3 by SIGKILL and by SIGTERM and resumed to 6 steps (and, with in-flight weight
 updates on, SIGTERMed in step 2, resumed, SIGKILLed in step 4 and resumed); each line says how many
 prompt groups were checked (each trained exactly once across the two runs, in the uninterrupted
-run's steps) and how long the resumed run took.
+run's steps) and how long the resumed run took. Then ``tests/rl/topology/test_journal_resume.py``:
+the same topology on a journaled store (``tq.backend.journal_dir``, ``checkpoint_every=3``),
+SIGKILLed as step 5 starts and resumed to 8 steps, its line the rollouts recovered and
+generated twice (goal 0), the calls staged twice, and the step time the kill threw away.
 
 Run: ``python -m benchmarks.run_all async_resume``.
 """
@@ -18,6 +21,7 @@ import time
 from benchmarks.reliability import _pytest
 
 TEST = "tests/rl/topology/test_async_resume.py"
+JOURNAL_TEST = "tests/rl/topology/test_journal_resume.py"
 
 
 def main() -> dict:
@@ -28,6 +32,10 @@ def main() -> dict:
     lines = [f"{label}{line}" for label, line in re.findall(
         r"\[async resume(, in-flight)?\] (.*)$", out, flags=re.MULTILINE)]
     lines = [line.replace(", in-flight", "with in-flight weight updates: ", 1) for line in lines]
+    t1 = time.monotonic()
+    journal_out = _pytest([JOURNAL_TEST])
+    journal_seconds = time.monotonic() - t1
+    journal_lines = re.findall(r"\[journal resume\] (.*)$", journal_out, flags=re.MULTILINE)
     md = "\n".join([
         "### Reliability: killed asynchronous runs resume",
         "",
@@ -40,6 +48,12 @@ def main() -> dict:
          "`ckpt_path` to 6 steps; no process of either run is left behind."),
         "",
         *[f"- {line}" for line in lines],
+        "",
+        (f"On a journaled store (`{JOURNAL_TEST}`, {journal_seconds:.0f} s: the same command with "
+         "`tq.backend.journal_dir=<dir> recipe.checkpoint_every=3 recipe.num_steps=8`, killed as "
+         "step 5 starts, resumed with `ckpt_path`; docs/durability.md):"),
+        "",
+        *[f"- {line}" for line in journal_lines],
     ])
     print(md)
     return {"markdown": md}

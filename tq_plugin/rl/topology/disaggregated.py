@@ -399,15 +399,15 @@ class Disaggregated(StepSource, Callback):
             return
         if c.orders_reissued == 0:
             calls, why = 0, "no chunk was in flight at the kill"
-        elif self.rc.worker_staging == "local":
-            calls, why = None, (
-                f"{c.orders_reissued} chunks in flight at the kill are generated again whole; "
-                "recipe.worker_staging=local kept the calls their workers had staged in the "
-                "workers' memory, so how many is not known")
         else:
+            n = c.orders_reissued
+            chunks = f"{n} chunk{'s' * (n != 1)} in flight at the kill {'are' if n != 1 else 'is'}"
             calls, why = None, (
-                f"{c.orders_reissued} chunks in flight at the kill are generated again whole "
-                "under new tickets; the calls staged for them before the kill are not resumed")
+                f"{chunks} generated again whole; recipe.worker_staging=local kept the calls "
+                "their workers had staged in the workers' memory, so how many is not known"
+                if self.rc.worker_staging == "local" else
+                f"{chunks} generated again whole under new tickets; the calls staged for them "
+                "before the kill are not resumed")
         prior = base.get("calls_staged_twice", 0)
         totals["calls_staged_twice"] = None if calls is None or prior is None else prior + calls
         totals["calls_staged_twice_why"] = why
