@@ -16,8 +16,10 @@ actors that hold the bytes:
   block's ``UnitKey``, its shape) in place of each such block: a small call, which the
   controller validates against shapes and dtypes (it never reads those bytes) and answers; the
   unit hands the answer (the receipt) back. The controller's work per put does not grow with
-  the put's bytes. A put the controller refuses writes nothing: the unit drops the blocks and
-  raises the controller's error as it is. ``input_lengths`` (the controller reads its values),
+  the put's bytes; puts that reach a unit while its call to the controller is under way go
+  together in its next call (``_StoreHost.call_batch``), so under load the controller runs one
+  Ray call for several puts. A put the controller refuses writes nothing: the unit drops the
+  blocks and raises the controller's error as it is. ``input_lengths`` (the controller reads its values),
   one-element blocks and jagged blocks whose offsets do not span their values travel inline; a
   put with nothing for a unit goes to the controller directly.
 * **Reads gather from every unit at once.** The controller answers a read with where the
