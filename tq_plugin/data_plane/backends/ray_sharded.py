@@ -60,6 +60,8 @@ from tq_plugin.data_plane.backends.ray_columns import (
 )
 from tq_plugin.data_plane.schema import INPUT_LENGTHS
 
+_PUTS = "puts"  # a unit's concurrency group for puts
+
 
 class _Pending:
     """A put waiting in a unit for the controller's answer."""
@@ -233,10 +235,13 @@ class StorageUnits:
             if handle is None:
                 if create:
                     # num_cpus=0 like the controller: the units never take a worker's CPU slot.
-                    # max_concurrency: a put waits in the unit for the controller's answer.
-                    handle = (ray.remote(_StorageUnit)
+                    # Puts wait in the unit for the controller's answer, in threads of their
+                    # own: a read, a free (and the controller's own reads, under its lock)
+                    # always find a thread, however many puts are waiting.
+                    handle = (ray.remote(max_concurrency=8, concurrency_groups={_PUTS: 16})(
+                                  _StorageUnit)
                               .options(name=name, namespace=namespace, num_cpus=0,
-                                       max_concurrency=16, get_if_exists=True)
+                                       get_if_exists=True)
                               .remote(namespace, name, actor_name))
                 else:
                     handle = ray.get_actor(name, namespace=namespace)
@@ -257,7 +262,8 @@ class StorageUnits:
         if not picked:
             return False, None
         unit = self.units[unit_of(sample_ids[0], self.count)]
-        return True, import_ray().get(unit.put.remote(store, kwargs, picked, self.op_timeout_s),
+        call = unit.put.options(concurrency_group=_PUTS)
+        return True, import_ray().get(call.remote(store, kwargs, picked, self.op_timeout_s),
                                       timeout=self.op_timeout_s + 5.0)
 
     def pids(self) -> list[int]:
