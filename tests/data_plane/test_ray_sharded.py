@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import pickle
+import time
 import uuid
 import zlib
 
@@ -243,3 +244,51 @@ def test_a_units_blocks_go_when_their_rows_are_cleared_or_their_put_is_refused(r
         assert _unit_blocks(client) == before
     finally:
         client.close()
+
+
+class _Gate:
+    """A stand-in controller whose ``call_batch`` waits until released, recording each batch."""
+
+    def __init__(self):
+        import threading
+
+        self.open, self.batches = threading.Event(), []
+
+    def call_batch(self, calls):
+        self.batches.append(len(calls))
+        self.open.wait(60)
+        return [(True, f"receipt {kwargs['sample_ids'][0]}") for _, kwargs in calls]
+
+    def release(self):
+        self.open.set()
+        return self.batches
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_puts_waiting_on_the_controller_leave_a_unit_free_to_read_and_go_in_one_batch(ray_session):
+    """Puts wait in a unit's own thread group: with more puts waiting on a stalled controller
+    than the group has threads, the unit still answers a read (the controller may read a unit
+    under its lock); released, the puts that queued behind the first go in one batch."""
+    import ray
+
+    from tq_plugin.data_plane.backends.ray_sharded import _PUTS, StorageUnits
+
+    name = f"gate-{uuid.uuid4().hex[:8]}"
+    gate = ray.remote(_Gate).options(name=name, namespace="tq_plugin", num_cpus=0,
+                                     max_concurrency=4).remote()
+    unit = StorageUnits(name, "tq_plugin", 1).units[0]
+    payload = encode_fields({"x": torch.ones(2, 4)})
+    puts = [unit.put.options(concurrency_group=_PUTS).remote(
+        "s", {"sample_ids": [f"r{i}", f"r{i}b"], "partition_id": "p", "fields": payload}, [0], 60.0)
+        for i in range(24)]  # more than the 16 threads puts have
+    deadline = time.monotonic() + 60
+    while ray.get(unit.held.remote(), timeout=20)[0] < 16 and time.monotonic() < deadline:
+        time.sleep(0.1)  # a read answered while every put thread waits
+    assert ray.get(unit.held.remote(), timeout=20)[0] >= 16
+    ray.get(gate.release.remote(), timeout=20)
+    assert ray.get(puts, timeout=60) == [f"receipt r{i}" for i in range(24)]
+    batches = ray.get(gate.release.remote(), timeout=20)
+    assert sum(batches) == 24 and max(batches) > 1  # the waiting puts went together
+    ray.kill(unit)
+    ray.kill(gate)
