@@ -138,3 +138,25 @@ def test_the_watchdog_ends_the_tree_it_was_given_once_the_driver_is_gone() -> No
             driver.kill()
         if reaper.poll() is None:
             reaper.kill()
+
+
+def test_the_watchdog_leaves_once_its_tree_is_gone_while_the_driver_lives() -> None:
+    """Ray shut down by the driver (its processes gone, the driver alive): the watchdog exits
+    instead of watching nothing for the rest of the driver's life."""
+    read_end, write_end = os.pipe()
+    root = subprocess.Popen(["sleep", "300"])
+    reaper = subprocess.Popen([sys.executable, "-I", REAPER, str(os.getpid()), str(root.pid)],
+                              stdin=read_end)
+    os.close(read_end)
+    try:
+        time.sleep(0.8)
+        assert reaper.poll() is None  # watching
+        root.kill()
+        root.wait(10)
+        assert reaper.wait(20) == 0
+    finally:
+        os.close(write_end)
+        if root.poll() is None:
+            root.kill()
+        if reaper.poll() is None:
+            reaper.kill()

@@ -15,8 +15,9 @@ Until the driver exits the watchdog records, every ``INTERVAL_S``, every process
 from the roots it was given (the processes Ray started, found by the driver), each with its
 start time so a recycled process id is never taken for one of them. Once the driver is gone it
 SIGKILLs every recorded process still alive with the same start time, and their children, a
-few rounds until none is left, then exits. Nothing else is touched: no name matching, no
-process group.
+few rounds until none is left, then exits. It also exits once every recorded process has gone
+while the driver lives (``ray.shutdown``): nothing is left to watch. Nothing else is touched:
+no name matching, no process group.
 """
 
 from __future__ import annotations
@@ -70,19 +71,20 @@ def _grow(known: dict[int, int], roots: list[tuple[int, int]]) -> None:
                 todo.append(child)
 
 
+def _alive(known: dict[int, int]) -> list[int]:
+    """The recorded processes that are still the ones recorded."""
+    return [pid for pid, start in known.items() if (st := _stat(pid)) is not None and st[1] == start]
+
+
 def _kill_all(known: dict[int, int]) -> int:
     """SIGKILL every recorded process that is still the one recorded; how many were alive."""
-    alive = 0
-    for pid, start in list(known.items()):
-        st = _stat(pid)
-        if st is None or st[1] != start:
-            continue
-        alive += 1
+    alive = _alive(known)
+    for pid in alive:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    return alive
+    return len(alive)
 
 
 def main(argv: list[str]) -> None:
@@ -96,6 +98,8 @@ def main(argv: list[str]) -> None:
     known: dict[int, int] = {}
     while True:
         _grow(known, roots)
+        if not _alive(known):
+            return  # all of them gone while the driver lives (ray.shutdown): nothing to watch
         ready, _, _ = select.select([0], [], [], INTERVAL_S)
         if ready and not os.read(0, 4096):
             break  # end of file: the driver is gone
