@@ -24,7 +24,8 @@ the journal and checks it against a model of the acknowledged calls:
 
 ``tq/backend=ray`` runs the same plan and checks through ``RayDataPlane`` with the store
 actor's process SIGKILLed, one Ray session throughout, the store reopened from the journal in a
-new actor each time.
+new actor each time (the client cannot list claims without making one, so they are checked
+once, at the end: claiming every row left hands out none an acknowledged claim took).
 
 Run by hand: ``python tests/data_plane/test_crash_kill.py local DIR POINTS SEED``.
 """
