@@ -2,8 +2,8 @@
 ``tests/rl/topology/test_async_resume.py`` run once, the lines it prints gathered.
 
 A GRPO run on ``tq/backend=ray`` (2 rollout workers, ``max_staleness=1``, ``checkpoint_every=2``)
-is killed inside step 3 by SIGKILL and by SIGTERM and resumed to 6 steps (and, with in-flight weight
-updates on, SIGTERMed in step 2, resumed, SIGKILLed in step 4 and resumed); each line says how many
+is stopped inside step 3 by SIGTERM and resumed to 6 steps, and, with in-flight weight updates
+on, SIGTERMed in step 2, resumed, SIGKILLed in step 4 and resumed; each line says how many
 prompt groups were checked (each trained exactly once across the two runs, in the uninterrupted
 run's steps) and how long the resumed run took. Then ``tests/rl/topology/test_journal_resume.py``:
 the same topology on a journaled store (``tq.backend.journal_dir``, ``checkpoint_every=3``),
@@ -39,13 +39,13 @@ def main() -> dict:
     md = "\n".join([
         "### Reliability: killed asynchronous runs resume",
         "",
-        (f"`{TEST}` (slow tier; {seconds:.0f} s for the file: an uninterrupted run, both kills "
-         "and their resumes, and a run with `recipe.inflight_updates=true` SIGTERMed, resumed, "
+        (f"`{TEST}` (slow tier; {seconds:.0f} s for the file: an uninterrupted run, a SIGTERM "
+         "and its resume, and a run with `recipe.inflight_updates=true` SIGTERMed, resumed, "
          "SIGKILLed and resumed again): "
          "`tq-train --config-name grpo tq/backend=ray recipe.topology=disaggregated "
          "recipe.rollout_workers=2 recipe.max_staleness=1 recipe.checkpoint_every=2` (4 prompts "
-         "of 4 rollouts a step, 2 optimizer steps each), killed inside step 3 and resumed with "
-         "`ckpt_path` to 6 steps; no process of either run is left behind."),
+         "of 4 rollouts a step, 2 optimizer steps each), stopped inside step 3 and resumed with "
+         "`ckpt_path` to 6 steps; no process of any run is left behind 30 s after it ends."),
         "",
         *[f"- {line}" for line in lines],
         "",
