@@ -303,6 +303,17 @@ def test_a_restarted_ledger_orders_the_resumed_steps_slots_under_new_numbers():
     assert ledger.replace(7).slot == 7 and ledger.next_ticket == 25
 
 
+def test_a_held_slot_is_passed_over_and_only_an_unissued_one_can_be_held():
+    """A resume on a journaled store took back slot 7's chunk: the ledger orders the others."""
+    ledger = TicketLedger(workers=2, chunks_per_step=2, max_staleness=1)
+    ledger.restart(3, next_ticket=20)
+    ledger.hold(7)
+    assert [(t.ticket, t.slot) for t in ledger.issue(3)] == [(20, 6), (21, 8), (22, 9)]
+    assert not ledger.held and 7 not in {t.slot for t in ledger.outstanding.values()}
+    with pytest.raises(ValueError, match="slot 8 is issued already"):
+        ledger.hold(8)
+
+
 # ---------------------------------------------------------------- importance weights
 def test_truncated_is_weights_formula():
     prev = torch.tensor([[0.0, -1.0, -0.5, -3.0]])

@@ -175,13 +175,17 @@ class _StoreHost:
     def call(self, store: str, method: str, kwargs: dict) -> Any:
         if method not in _ACTOR_METHODS:
             raise AttributeError(f"the data-plane store actor does not run {method!r}")
-        target = self._stores.get(store)
-        if target is None:
-            raise DataPlaneClosedError(f"data-plane store {store!r} is closed")
+        target = self._store(store)
         try:
             return getattr(target, method)(**kwargs)
         finally:
             free_released()  # blocks storage units hold that no row holds any more
+
+    def _store(self, store: str) -> Any:
+        target = self._stores.get(store)
+        if target is None:
+            raise DataPlaneClosedError(f"data-plane store {store!r} is closed")
+        return target
 
     def call_batch(self, calls: list[tuple[str, dict]]) -> list[tuple[bool, Any]]:
         """Puts a storage unit forwards together (``ray_sharded``): each ``(store, kwargs)``
@@ -189,11 +193,8 @@ class _StoreHost:
         out: list[tuple[bool, Any]] = []
         try:
             for store, kwargs in calls:
-                target = self._stores.get(store)
                 try:
-                    if target is None:
-                        raise DataPlaneClosedError(f"data-plane store {store!r} is closed")
-                    out.append((True, target.put_samples(**kwargs)))
+                    out.append((True, self._store(store).put_samples(**kwargs)))
                 except Exception as err:  # noqa: BLE001 - handed back to the put it belongs to
                     out.append((False, err))
         finally:

@@ -197,6 +197,10 @@ def start_ray_on_loopback(address: str | None, namespace: str | None,
         raise
 
 
+# The watchdogs this process started, each with the pipe end it holds open for its life.
+_REAPERS: list[tuple[Any, int]] = []
+
+
 def _own_children() -> set[int] | None:
     """This process's children (Linux ``/proc``), or None where they cannot be listed."""
     from tq_plugin.data_plane.backends._ray_reaper import children
@@ -242,9 +246,6 @@ def _reap_on_exit(before: set[int] | None) -> None:
         os.close(read_end)
     _REAPERS.append((proc, write_end))  # the write end stays open for this process's life
     log.debug("Ray processes %s watched by pid %d", roots, proc.pid)
-
-
-_REAPERS: list[tuple[Any, int]] = []
 
 
 def gcs_address() -> str:

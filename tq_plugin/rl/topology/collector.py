@@ -184,25 +184,26 @@ class ChunkCollector:
             ids = self._rows(partition)
             if not ids:
                 continue
-            self.ledger.next_ticket = max(self.ledger.next_ticket,
-                                          1 + max(int(sid[1:]) for sid in ids))
-            slots = self.client.get_samples(partition_id=partition, sample_ids=ids,
-                                            select_fields=[SLOT_TAG])[SLOT_TAG]
-            self.outstanding_before.update(int(v) for v in slots.tolist())
+            td = self.client.get_samples(partition_id=partition, sample_ids=ids,
+                                         select_fields=[TICKET_TAG, SLOT_TAG])
+            self.ledger.next_ticket = max(self.ledger.next_ticket, 1 + int(td[TICKET_TAG].max()))
+            self.outstanding_before.update(td[SLOT_TAG].tolist())
 
     def recover(self) -> None:
         """Take back, after :meth:`restart` on a journaled store recovered by the backend, every
         chunk delivered for a step from ``open_from`` on: claimed by the trainer that died or
         not, each goes to the buffer as if claimed now, and the ledger orders none of their
-        slots again (``_unheld``). Rows of steps the checkpoint holds or trained are cleared,
+        slots again (``TicketLedger.hold``). Rows of steps the checkpoint holds or trained are cleared,
         and so are rows of a chunk never signalled ready (no ``slot`` tag: never delivered)."""
         while self.client.claim_meta(ROLLOUTS_PARTITION, READY_TASK, [WEIGHT_VERSION],
-                                     batch_size=max(self.chunk_rows, 1024), blocking=False).size:
+                                     batch_size=self.chunk_rows, blocking=False).size:
             pass  # unclaimed deliveries: this run takes every one by its tags below
         ids = self._rows(ROLLOUTS_PARTITION) or []
         tags = self.client.get_tags(partition_id=ROLLOUTS_PARTITION, sample_ids=ids) if ids else []
-        delivered = self._rows(DELIVERED_PARTITION) or []
-        self.delivered_before = {int(sid[len("slot"):]) for sid in delivered}
+        delivered = self._rows(DELIVERED_PARTITION)
+        self.delivered_before = set() if not delivered else set(self.client.get_samples(
+            partition_id=DELIVERED_PARTITION, sample_ids=delivered,
+            select_fields=[SLOT_TAG])[SLOT_TAG].tolist())
         by_ticket: dict[int, list[int]] = {}
         drop: list[str] = []
         for i, tag in enumerate(tags):
@@ -225,22 +226,12 @@ class ChunkCollector:
                                 tags=[tags[i] for i in rows])
             self.buffer.append(in_row_order(chunk))
             self.received.add(slot)
+            self.ledger.hold(slot)
             self.recovered_rows += len(rows)
         if drop:
             self.client.clear_samples(partition_id=ROLLOUTS_PARTITION, sample_ids=drop)
         self.orders_reissued = len({s for s in self.outstanding_before
                                        if s >= self.open_from and s not in self.received})
-
-    def _unheld(self, tickets: list[Ticket]) -> list[Ticket]:
-        """``tickets`` less those for a slot already held (a chunk :meth:`recover` took back):
-        those are withdrawn from the ledger before any worker sees them."""
-        out = []
-        for t in tickets:
-            if t.slot in self.received and t.slot >= self.open_from:
-                self.ledger.outstanding.pop(t.ticket)
-            else:
-                out.append(t)
-        return out
 
     def release(self, chunks: int) -> None:
         """Clear from the shared store the rows of the first ``chunks`` chunks taken and kept
@@ -383,7 +374,7 @@ class ChunkCollector:
     def collect(self, step: int) -> tuple[list[KVBatchMeta], dict[str, Any]]:
         """This step's chunks (its slots, in slot order: ``rows_per_step`` rows, whole groups)
         and their figures."""
-        self.send(self._unheld(self.ledger.issue(step)))
+        self.send(self.ledger.issue(step))
         want = set(self.ledger.slots(step))
         chunks: list[KVBatchMeta] = []
         dropped = calls = failed = 0

@@ -52,7 +52,8 @@ class TicketLedger:
     (``chunks_per_step`` slots per step); ``replace(slot)`` orders a slot again (its chunk was
     dropped); ``restart(step)`` forgets every order (a resumed run's workers and store are new)
     and issues from ``step``'s slots on, numbering tickets on from the checkpointed
-    ``next_ticket``.
+    ``next_ticket``; ``hold(slot)`` marks a slot whose chunk is already delivered (a resume on a
+    journaled store took it back), which ``issue`` then passes over without a ticket.
     """
 
     workers: int
@@ -63,6 +64,7 @@ class TicketLedger:
     outstanding: dict[int, Ticket] = field(default_factory=dict)
     alive: set[int] = field(default_factory=set)
     reassigned: set[int] = field(default_factory=set)  # tickets of dead workers, reissued
+    held: set[int] = field(default_factory=set)  # slots delivered already, never to be issued
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.chunks_per_step < 1 or self.max_staleness < 0:
@@ -99,9 +101,20 @@ class TicketLedger:
     def issue(self, step: int) -> list[Ticket]:
         out = []
         while self.next_target <= step + self.max_staleness:
-            out.append(self._new(self.next_slot))
+            if self.next_slot in self.held:
+                self.held.discard(self.next_slot)
+            else:
+                out.append(self._new(self.next_slot))
             self.next_slot += 1
         return out
+
+    def hold(self, slot: int) -> None:
+        """``slot``'s chunk is delivered already (taken back on a resume): ``issue`` orders
+        it no ticket. Only a slot not issued yet can be held."""
+        if slot < self.next_slot:
+            raise ValueError(f"TicketLedger.hold: slot {slot} is issued already (next slot "
+                             f"{self.next_slot})")
+        self.held.add(slot)
 
     def replace(self, slot: int) -> Ticket:
         return self._new(slot)
@@ -111,6 +124,7 @@ class TicketLedger:
         slots, and no ticket number repeats one used before ``next_ticket``."""
         self.outstanding.clear()
         self.reassigned.clear()
+        self.held.clear()
         self.next_slot = step * self.chunks_per_step
         self.next_ticket = max(self.next_ticket, next_ticket)
 

@@ -147,8 +147,9 @@ class _Weights:
         self._polled = now
         held = self.publish
         self.load_newest(newest_weights(self.client))
-        self.taken += self.publish != held
-        return self.publish != held
+        moved = self.publish != held
+        self.taken += moved
+        return moved
 
     def load_newest(self, newest: tuple[int, int] | None) -> int:
         """Load ``newest`` (``newest_weights``, just listed) if it is not the publish held, or a
