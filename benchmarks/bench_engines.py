@@ -101,9 +101,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rates = {n: Stat.of(s).map(lambda x: tokens / x) for n, s in gen.items()}
     gen_rows = [[n, rates[n].fmt(",.0f"), f"{ratios(gen['native'], gen[n]).median:.1f}x"]
                 for n in ENGINES]
+    speedup = {n: f"{ratios(gen['native'], gen[n]).median:.1f}x" for n in ENGINES}
+    sync_ms = {n: f"{Stat.of(s).map(lambda x: x * 1e3).median:.3f} ms" for n, s in sync.items()}
+    sync_ratio = {n: f"{ratios(s, sync['plain copy']).median:,.0f}x" for n, s in sync.items()}
     sync_rows = [[n, Stat.of(s).map(lambda x: x * 1e3).fmt(".3f", " ms"),
-                  "1.0x" if n == "plain copy" else
-                  f"{ratios(s, sync['plain copy']).median:,.0f}x"] for n, s in sync.items()]
+                  "1.0x" if n == "plain copy" else sync_ratio[n]] for n, s in sync.items()]
     steps = {n: [] for n in ENGINES}
     for _ in range(args.repeats):
         for n in ENGINES:
@@ -127,7 +129,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         table(["engine", "GRPO steps/s", "vs native"], step_rows),
     ])
     print(markdown)
-    return {"markdown": markdown, "figures": figures, "steps": steps}
+    # The figures the README and docs cite (benchmarks/headline.py), each as the tables print it.
+    key = {f"{n}_tok_s": f"{rates[n].median:,.0f}" for n in ENGINES}
+    key.update(hf_speedup=speedup["hf"], vllm_speedup=speedup["vllm"],
+               sync_mb=f"{figures['bytes'] / 1e6:.2f} MB", hf_sync=sync_ms["hf"],
+               hf_sync_ratio=sync_ratio["hf"], vllm_sync=sync_ms["vllm"],
+               vllm_sync_ratio=sync_ratio["vllm"])
+    return {"markdown": markdown, "figures": figures, "steps": steps, "key_figures": key}
 
 
 if __name__ == "__main__":
