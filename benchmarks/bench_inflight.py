@@ -175,9 +175,10 @@ def ceiling(idle: float) -> str:
             f"{1 / (1 - idle):.2f}x the steps/s; the rest is the trainer's own step (4 PPO "
             "epochs over 64 rows of up to 80 tokens). In-flight updates shorten no wait in this "
             "design: a ticket for step t starts once version t - 1 is published, with or "
-            "without them, and decodes no faster (slower by its looks for new weights, a store "
-            "round trip at most every 20 ms of decoding, and its loads of every mid-step "
-            "publish); they make the tokens decoded after the next publish fresher. A steps/s "
+            "without them, and decodes no faster (its loads of every mid-step publish cost "
+            "decode time; its looks for them cost no store round trip on Ray, where a thread "
+            "waits in a claim of the weights partition); they make the tokens decoded after the "
+            "next publish fresher. A steps/s "
             "gain needs a ticket to start sooner or to deliver before its longest completion "
             "(partial rollouts), neither built.")
 

@@ -60,6 +60,13 @@ class DataPlaneClient(Protocol):
     * A field keeps one dtype, per-row rank and trailing dims while it has live rows; rows whose
       first dim differs turn a dense column jagged, losslessly.
     * ``clear_samples`` is idempotent; ``close`` is idempotent and ends every other operation.
+
+    Optional class attributes say what a backend does beyond the contract (absent: ``False``):
+    ``shared`` (rows visible to other processes), ``supports_put_mode`` (``accepts_put_mode``),
+    ``checks_token_alignment`` (per-token rows checked inside each put) and
+    ``claims_wait_in_store`` (a blocking ``claim_meta`` sleeps until a put wakes it, rather than
+    polling from the client: a thread may wait in one for as long as it likes, as a rollout
+    worker's ``PublishWatch`` does).
     """
 
     def register_partition(

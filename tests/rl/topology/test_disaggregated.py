@@ -613,6 +613,50 @@ def test_a_waiting_worker_skips_publishes_older_than_the_version_it_needs():
     assert client.check_consumption_status(WEIGHTS_PARTITION, [weights_task(0)])
 
 
+def test_the_publish_watch_sees_each_publish_without_a_round_trip_per_look():
+    """In-flight looks for new weights read the watch's field (its thread waits in the claim):
+    it follows every publish, ``wait_for`` returns at the version asked for (or after its
+    bound), and a claim that fails while the worker is not stopping is raised from the next
+    look, naming the partition; once the worker stops it is not."""
+    import threading
+
+    from tq_plugin.rl.topology.exchange import WEIGHTS_PARTITION, WeightPublisher, weights_task
+    from tq_plugin.rl.topology.worker import PublishWatch
+
+    client = LocalDataPlane()
+    assert client.claims_wait_in_store
+    client.register_partition(WEIGHTS_PARTITION, [], consumer_tasks=[weights_task(0)])
+    publisher = WeightPublisher(client, keep=8)
+    model = torch.nn.Linear(2, 2)
+    stop = threading.Event()
+    watch = PublishWatch(client, 0, stop, wait_s=0.1)
+    try:
+        assert watch.newest is None
+        publisher.publish(model, 0)
+        watch.wait_for(0, timeout_s=5)
+        assert watch.newest == (0, 0)
+        t0 = time.monotonic()
+        watch.wait_for(1, timeout_s=0.2)  # only version 0 so far: returns at its bound
+        assert time.monotonic() - t0 >= 0.15 and watch.newest == (0, 0)
+        publisher.publish(model, 0)  # a mid-step publish: a newer publish, the same label
+        publisher.publish(model, 1)
+        watch.wait_for(1, timeout_s=5)
+        assert watch.newest == (2, 1)
+        assert client.check_consumption_status(WEIGHTS_PARTITION, [weights_task(0)])
+        client.close()  # the store gone while the worker runs: the next look says so
+        deadline = time.monotonic() + 5
+        while watch._error is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(RuntimeError, match="policy_weights"):
+            _ = watch.newest
+        stop.set()  # a stopping worker is not failed by it
+        assert watch.newest == (2, 1)
+    finally:
+        stop.set()
+        watch.close()
+    assert not watch._thread.is_alive()
+
+
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 10**6), workers=st.integers(1, 3), staleness=st.integers(1, 2),
        kill_at=st.integers(2, 8))

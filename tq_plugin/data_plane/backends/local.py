@@ -86,6 +86,7 @@ class LocalDataPlane(WritePath, RowBuffer, TaskCursors, Journaled):
     # input_lengths (column I/O then skips its own check read).
     checks_token_alignment = True
     supports_put_mode = True  # put_samples(mode="insert" | "update" | "upsert")
+    claims_wait_in_store = True  # a blocking claim_meta sleeps on the store's condition
 
     def __init__(
         self,

@@ -231,6 +231,7 @@ class RayDataPlane:
     shared = True  # rows are visible to every process of the Ray cluster
     checks_token_alignment = True  # the actor's store checks per-token rows inside each put
     supports_put_mode = True  # keywords reach the actor's store as they are
+    claims_wait_in_store = True  # a blocking claim_meta sleeps in an actor thread, no polling
 
     def __init__(
         self,

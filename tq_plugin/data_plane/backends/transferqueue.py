@@ -104,6 +104,7 @@ class TransferQueueDataPlane:
 
     shared = True  # rows are visible to every process attached to the same TransferQueue
     supports_put_mode = True  # insert / update are checked against the live keys first
+    claims_wait_in_store = False  # a blocking claim_meta polls fetch from the client every 10 ms
 
     def __init__(
         self,

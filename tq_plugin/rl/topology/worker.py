@@ -19,8 +19,11 @@ exchanges with the trainer goes through that store:
   with ``recipe.inflight_updates=true`` it also looks for a newer publish every
   ``recipe.inflight.chunk_tokens`` decoded tokens and loads it mid-generation
   (``tq_plugin.rollout.engine.InflightUpdates``), every call then staging each token's version;
-  while every ticket it holds waits for newer weights it blocks on a claim of that partition
-  (its own consumer task), which returns when the trainer publishes;
+  the look reads what a :class:`PublishWatch` thread, waiting in a claim of that partition,
+  saw last (no store round trip), or, on a store whose claims poll (TransferQueue), lists the
+  partition at most every ``POLL_EVERY_S``; while every ticket it holds waits for newer
+  weights it blocks on a claim of that partition (its own consumer task: the watch's, when it
+  has one), which returns when the trainer publishes;
 * **rows**: the worker stages every call through ``TQTokenSink`` (``RolloutWorker`` stamps the
   weights' version on each; ``recipe.worker_staging=local`` keeps the staged calls in the
   worker's own embedded store, ``shared`` in the shared one), hands the finished groups to
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -122,13 +126,94 @@ def _build(spec: WorkerSpec, workdir: str) -> tuple[Any, Any, Any, RolloutSide]:
 POLL_EVERY_S = 0.02
 
 
+class PublishWatch:
+    """The newest weights publish a worker has seen, kept current by a thread of its own.
+
+    The thread waits in a blocking claim of the worker's consumer task on the weights partition
+    (``weights_task``), which wakes once per publish; so an in-flight look for new weights
+    (``_Weights.poll``) reads a field instead of making a store round trip between decode
+    chunks, and a worker whose tickets wait for a version sleeps on :meth:`wait_for`. It is the
+    task's only consumer while it runs. Used where the store's blocking claim sleeps in the
+    store (``claims_wait_in_store``: the embedded and Ray stores; TransferQueue's claim polls
+    from the client, so there the worker lists the partition instead). While it runs it holds
+    one of the store's call threads (the Ray store actor's ``max_concurrency``), as a waiting
+    worker's claim does.
+
+    A claim that fails other than by its timeout, while the worker is not stopping, is raised
+    from the next :attr:`newest` or :meth:`wait_for` (the worker dies with it, and the trainer
+    reassigns its tickets).
+    """
+
+    def __init__(self, client: Any, worker: int, stop: StopSignal, *, wait_s: float = 0.5) -> None:
+        self._client, self._task, self._stop, self._wait_s = client, weights_task(worker), stop, wait_s
+        self._cond = threading.Condition()
+        self._newest: tuple[int, int] | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"tq-weights-watch-{worker}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _stopping(self) -> bool:
+        return self._closed or self._stop.is_set()
+
+    def _run(self) -> None:
+        while not self._stopping():
+            try:
+                meta = self._client.claim_meta(WEIGHTS_PARTITION, self._task, [WEIGHT_VERSION],
+                                               batch_size=1, blocking=True,
+                                               timeout_s=self._wait_s)
+            except TimeoutError:
+                continue
+            except BaseException as e:  # noqa: BLE001 - handed to the worker's thread
+                with self._cond:
+                    if not self._stopping():
+                        self._error = e
+                    self._cond.notify_all()
+                return
+            if not meta.size:
+                continue
+            seen = max(parse_weights_id(i) for i in meta.sample_ids)
+            with self._cond:
+                if self._newest is None or seen > self._newest:
+                    self._newest = seen
+                    self._cond.notify_all()
+
+    def _raise(self) -> None:
+        if self._error is not None and not self._stop.is_set():
+            raise RuntimeError(f"the weights watch's claim of {WEIGHTS_PARTITION!r} failed: "
+                               f"{self._error!r}") from self._error
+
+    @property
+    def newest(self) -> tuple[int, int] | None:
+        """``(publish, version)`` of the newest publish seen (None before the first)."""
+        self._raise()
+        return self._newest
+
+    def wait_for(self, version: int, timeout_s: float = 0.5) -> None:
+        """Return once a publish of ``version`` or newer is seen, or after ``timeout_s`` (the
+        bound on how late a reassigned ticket or the stop signal is noticed)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._error is not None or (
+                self._newest is not None and self._newest[1] >= version), timeout=timeout_s)
+        self._raise()
+
+    def close(self) -> None:
+        """Stop the thread (it leaves at its claim's next timeout; a daemon, never waited on
+        longer than that)."""
+        self._closed = True
+        self._thread.join(timeout=self._wait_s + 1.0)
+
+
 class _Weights:
     """The worker's copy of the policy: the publish it loaded and that publish's version, kept
-    in its policy module and pushed from there into its engine."""
+    in its policy module and pushed from there into its engine. ``watch``: the worker's
+    :class:`PublishWatch`, where its store has one."""
 
     def __init__(self, client: Any, policy: torch.nn.Module, engine: Any) -> None:
         self.client, self.policy, self.engine = client, policy, engine
         self.publish, self.version = -1, -1
+        self.watch: PublishWatch | None = None
         self._named = lambda: engine_weights(policy, engine.name)
         self._polled = float("-inf")
         # Publishes ``poll`` loaded while a ticket generated (its ``inflight/weights_taken``
@@ -138,15 +223,22 @@ class _Weights:
 
     def poll(self) -> bool:
         """In-flight weight updates (``recipe.inflight_updates``), between two chunks of
-        decoding: load the newest publish if it is not the one held; whether it did. The
-        listing is a store round trip, so it is made at most every ``POLL_EVERY_S`` (the
+        decoding: load the newest publish if it is not the one held; whether it did. With a
+        :class:`PublishWatch` the newest is a field its thread keeps; without one it is a
+        listing of the partition, a store round trip, made at most every ``POLL_EVERY_S`` (the
         trainer publishes once per optimizer step, far less often)."""
-        now = time.monotonic()
-        if now - self._polled < POLL_EVERY_S:
-            return False
-        self._polled = now
         held = self.publish
-        self.load_newest(newest_weights(self.client))
+        if self.watch is not None:
+            newest = self.watch.newest
+            if newest is None or newest[0] <= held:
+                return False
+        else:
+            now = time.monotonic()
+            if now - self._polled < POLL_EVERY_S:
+                return False
+            self._polled = now
+            newest = newest_weights(self.client)
+        self.load_newest(newest)
         moved = self.publish != held
         self.taken += moved
         return moved
@@ -249,7 +341,6 @@ def worker_main(spec: WorkerSpec, *, stop: StopSignal) -> None:
 def _serve(spec: WorkerSpec, stop: StopSignal, task: Any, weights: _Weights,
            side: RolloutSide) -> None:
     client, rc = spec.client, spec.cfg.recipe
-    partition = tickets_partition(spec.index)
     draws = DrawLoop(rc=rc, task=task, side=side, io=row_io(client))
     inflight = bool(getattr(rc, "inflight_updates", False))
     if inflight:
@@ -259,6 +350,20 @@ def _serve(spec: WorkerSpec, stop: StopSignal, task: Any, weights: _Weights,
                               "version ledger; run it with recipe.inflight_updates=false")
         weights.engine.inflight = InflightUpdates(
             poll=weights.poll, chunk_tokens=int(rc.inflight.chunk_tokens), kv=str(rc.inflight.kv))
+        if getattr(client, "claims_wait_in_store", False):
+            weights.watch = PublishWatch(client, spec.index, stop)
+    try:
+        _run_tickets(spec, stop, task, weights, draws, inflight)
+    finally:
+        if weights.watch is not None:
+            weights.watch.close()
+
+
+def _run_tickets(spec: WorkerSpec, stop: StopSignal, task: Any, weights: _Weights,
+                 draws: DrawLoop, inflight: bool) -> None:
+    """Claim tickets, pick a runnable one, generate it, deliver, until ``stop``."""
+    client, rc = spec.client, spec.cfg.recipe
+    partition = tickets_partition(spec.index)
     held: list[dict[str, int]] = []
     while not stop.is_set():
         try:
@@ -272,7 +377,11 @@ def _serve(spec: WorkerSpec, stop: StopSignal, task: Any, weights: _Weights,
         newest = newest_weights(client)
         ticket = next_ticket(held, None if newest is None else newest[1])
         if ticket is None:  # every held ticket waits for newer weights: wait for a publish
-            _wait_for_version(client, spec.index, min(t["min_version"] for t in held), stop)
+            needed = min(t["min_version"] for t in held)
+            if weights.watch is not None:
+                weights.watch.wait_for(needed)
+            else:
+                _wait_for_version(client, spec.index, needed, stop)
             continue
         held.remove(ticket)
         version = weights.load_newest(newest)
@@ -300,4 +409,4 @@ def _serve(spec: WorkerSpec, stop: StopSignal, task: Any, weights: _Weights,
         client.clear_samples(partition_id=partition, sample_ids=[ticket["id"]])
 
 
-__all__ = ["WorkerSpec", "next_ticket", "worker_main"]
+__all__ = ["PublishWatch", "WorkerSpec", "next_ticket", "worker_main"]
