@@ -161,8 +161,7 @@ def parity_section(runs: dict[str, list[dict[str, float]]], *, steps: int, loads
          "ablation's difference is within what the seeds (and the runs' timing, which decides "
          "which rows are stale) move on their own. A ticket for step t starts on weights of "
          "version t - 1 in every disaggregated arm; in-flight updates only freshen the tokens "
-         "decoded after the next publish lands (the token staleness column), which does not "
-         "close the one-step-stale topology's gap to colocated."),
+         "decoded after the next publish lands (the token staleness column)."),
     ])
     return markdown, figures
 
