@@ -43,11 +43,15 @@ def test_two_hf_workers_take_weights_mid_generation_within_the_bound(tmp_path, r
     enough (up to 48 tokens, one PPO epoch a step) that rollouts outlast a trainer step, so a
     version lands while the workers decode: rows span two versions, every token within the
     bound. (At the preset's 8 tokens a step's rollouts end before the trainer's step does and
-    the next version lands between tickets: docs/topologies.md.) ``engine=native``'s decode
+    the next version lands between tickets: docs/topologies.md.) With ``kv=recompute`` a token
+    of the trainer's own version was sampled by exactly the weights that score it, so the
+    ledger's alignment check (``fresh_logprob_gap``) is ~0 (``kv=keep``'s tokens after a load
+    are the old cache's: tests/rollout/test_inflight.py). ``engine=native``'s decode
     takes weights mid-generation in tests/rollout/test_inflight.py; its runs resume with
     in-flight updates on in tests/rl/topology/test_async_resume.py."""
     cfg = _compose(*RAY, "model=hf_causal_lm", "engine=hf", "recipe.num_steps=6",
-                   "recipe.ppo_epochs=1", "recipe.max_new_tokens=48", "model.max_seq_len=112")
+                   "recipe.ppo_epochs=1", "recipe.max_new_tokens=48", "model.max_seq_len=112",
+                   "recipe.inflight.kv=recompute")
     recipe = RLRecipe(cfg, tmp_path)
     recipe.setup()
     try:
@@ -67,3 +71,6 @@ def test_two_hf_workers_take_weights_mid_generation_within_the_bound(tmp_path, r
     assert max(float(r["multi_version_fraction"]) for r in rows) > 0, rows
     assert max(float(r["inflight/weights_taken"]) for r in rows) > 0, rows
     assert any(float(r["token_staleness_mean"]) < int(r["staleness_max"]) for r in rows[1:])
+    # The fresh tokens (step 0's all, later steps' after a load) score as they were sampled.
+    assert sum(float(r["fresh_tokens"]) for r in rows[1:]) > 0, rows
+    assert all(float(r["fresh_logprob_gap"]) < 1e-3 for r in rows), rows

@@ -49,8 +49,10 @@ from tq_plugin.rl.training.step_record import (
     STEP_FIGURES,
     TURN_REWARDS,
     action_tokens_and_gap,
+    ledger_gap,
     step_record,
 )
+from tq_plugin.staging import TOKEN_VERSIONS_FIELD
 
 # Rollout ids of a step's extra draws (dynamic sampling) are those of step + draw * this, so
 # they never meet another step's (or another ticket's).
@@ -235,16 +237,23 @@ class StepTail:
     def finish(self, meta: KVBatchMeta, *, step: int, draw: Draw | None, rollout_s: float,
                t_prepare: float, failed_calls: int, figures: dict[str, Any] | None = None,
                **extra: Any) -> KVBatchMeta:
-        """Advantages, the logprob gap and the step record, once the passes are written.
+        """Advantages, the logprob gap (over rows with a per-token version ledger, the fresh
+        tokens' too: :func:`~tq_plugin.rl.training.step_record.ledger_gap`) and the step
+        record, once the passes are written.
         ``draw``: the step's rewards as generated here (colocated); ``None`` reads them from
         the rows (``total_reward``, ``turn_rewards``). ``t_prepare``: when the step's
         preparation after its rollouts began (``prepare_s``). Returns ``meta`` with its
         record in ``extra_info[RL_STEP]``."""
         m, rc = self.module, self.rc
         m.write_advantages(meta)
-        fields = [*GAP_FIELDS, *([] if draw is not None else [TOTAL_REWARD, TURN_REWARDS])]
-        td = m.read_from_dataplane(meta, select_fields=fields)
+        ledger = TOKEN_VERSIONS_FIELD in meta.fields  # in-flight updates' per-token versions
+        fields = [*GAP_FIELDS, *([] if draw is not None else [TOTAL_REWARD, TURN_REWARDS]),
+                  *([TOKEN_VERSIONS_FIELD] if ledger else [])]
+        td = m.read_from_dataplane(meta, select_fields=fields,
+                                   **({"pad_value_dict": {TOKEN_VERSIONS_FIELD: -1}} if ledger else {}))
         actions, lp_gap = action_tokens_and_gap(td)
+        if ledger:
+            figures = {**(figures or {}), **ledger_gap(td, td[TOKEN_VERSIONS_FIELD], step)}
         if draw is not None:
             rewards, turn_scores = draw.rewards, draw.turn_scores
         else:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from tq_plugin.data_plane import GENERATION_LOGPROBS, PREV_LOGPROBS, SAMPLE_MASK, TOKEN_MASK
 from tq_plugin.rl.algorithms.losses import loss_normalizer
 
@@ -34,6 +36,26 @@ def action_tokens_and_gap(td: Any) -> tuple[int, float]:
     mask = (td[TOKEN_MASK] > 0) & (td[SAMPLE_MASK] > 0).unsqueeze(1)
     gap = ((td[GENERATION_LOGPROBS] - td[PREV_LOGPROBS]).abs() * mask).max()
     return int(mask.sum()), float(gap)
+
+
+def ledger_gap(td: Any, versions: torch.Tensor, trainer_version: int) -> dict[str, float]:
+    """The per-token ledger's alignment check (rows generated with in-flight weight updates):
+    over the live action tokens whose ledger version is the trainer's own (``versions [B, L]``,
+    aligned with the rows read with :data:`GAP_FIELDS`), ``|generation_logprobs -
+    prev_logprobs|``, their largest (``fresh_logprob_gap``) and mean
+    (``fresh_logprob_gap_mean``), and how many there are (``fresh_tokens``; both gaps 0 when
+    there are none). Such a token was sampled by the very weights the step's no-grad pass
+    scored it with, so its gap is ~0 when staging, ledger and rows line up, as the colocated
+    ``logprob_gap`` is; with ``recipe.inflight.kv=keep`` a token decoded after a mid-generation
+    load over the old weights' cache is the exception, and its gap measures what the kept cache
+    changed (``docs/topologies.md``)."""
+    mask = (td[TOKEN_MASK] > 0) & (td[SAMPLE_MASK] > 0).unsqueeze(1) & (versions == trainer_version)
+    n = int(mask.sum())
+    if not n:
+        return {"fresh_tokens": 0, "fresh_logprob_gap": 0.0, "fresh_logprob_gap_mean": 0.0}
+    diff = (td[GENERATION_LOGPROBS] - td[PREV_LOGPROBS]).abs()[mask]
+    return {"fresh_tokens": n, "fresh_logprob_gap": float(diff.max()),
+            "fresh_logprob_gap_mean": float(diff.mean())}
 
 
 def step_record(*, actions: int, minibatches: int, rewards: list[float],
@@ -63,5 +85,5 @@ def record_loss_norm(record: dict[str, Any], loss_type: str, max_new_tokens: int
                            max_completion_tokens=max(1, max_new_tokens * record["turns"]))
 
 
-__all__ = ["GAP_FIELDS", "RL_STEP", "STEP_FIGURES", "TURN_REWARDS", "action_tokens_and_gap",
+__all__ = ["GAP_FIELDS", "RL_STEP", "STEP_FIGURES", "TURN_REWARDS", "action_tokens_and_gap", "ledger_gap",
            "record_loss_norm", "step_record"]
