@@ -21,9 +21,13 @@ preset (pattern task, ``engine=native``, 120 steps) colocated; disaggregated (2 
 behaviour logprob) without in-flight updates; and with them, the KV cache kept and recomputed;
 the seeds interleaved across the arms (seed 0: every arm; seed 1: ...). The figure is each run's
 mean reward over its last 20 steps, averaged over the seeds; in-flight against colocated (goal
->= 95%), against the disaggregated topology without them, and keep against recompute.
+>= 95%), against the disaggregated topology without them, and keep against recompute; each
+in-flight arm's fresh tokens' logprob gap (``fresh_logprob_gap``: 0 where the weights that
+sampled a token scored its whole context, what a kept cache changed otherwise).
 
-Run: ``.venv/bin/python -m benchmarks.bench_inflight [--steps N] [--repeats R] [--arms speed parity]``.
+Run: ``.venv/bin/python -m benchmarks.bench_inflight [--steps N] [--repeats R] [--arms speed parity]``;
+more parity runs to pool with the section's: ``--arms parity --parity-first-seed 5
+--parity-seeds 10 --parity-arms "in-flight, kv keep" ...`` (a plain table of the runs).
 Goal (issue 36): >= 1.3x the steps/s without in-flight updates.
 """
 
@@ -84,6 +88,7 @@ ARMS = {
     "in-flight, kv recompute": [*DISAGGREGATED, "recipe.inflight.kv=recompute"],
 }
 LAST = 20
+PARITY_GAP = ("in-flight, kv keep", "in-flight, kv recompute")  # arms with a per-token ledger
 PARITY_FIGURE = {"disaggregated, no in-flight": "parity_disaggregated",
                  "in-flight, kv keep": "parity_keep", "in-flight, kv recompute": "parity_recompute"}
 
@@ -93,22 +98,42 @@ def parity_run(arm: str, *, steps: int, seed: int) -> dict[str, float]:
     _, rows = timed_fit("grpo", [*ARMS[arm], f"recipe.num_steps={steps}", f"recipe.seed={seed}"])
     ledger = [r for r in rows if r.get("multi_version_fraction")]
     staleness = [float(r["token_staleness_mean"]) for r in rows if r.get("token_staleness_mean")]
+    # The fresh tokens (the trainer's own version) against the step's no-grad pass: 0 when the
+    # weights that sampled them are the trainer's throughout (ledger_gap); kv=keep's after a load
+    # saw the old weights' cache.
+    fresh = [(float(r["fresh_tokens"]), float(r["fresh_logprob_gap_mean"]),
+              float(r["fresh_logprob_gap"])) for r in rows if r.get("fresh_tokens")]
+    tokens = sum(n for n, _, _ in fresh)
     return {"reward_last": sum(float(r["reward"]) for r in rows[-LAST:]) / LAST,
+            "fresh_gap_mean": sum(n * g for n, g, _ in fresh) / tokens if tokens else 0.0,
+            "fresh_gap_max": max((g for _, _, g in fresh), default=0.0),
             "staleness": sum(staleness) / len(staleness) if staleness else 0.0,
             "multi_version": (sum(float(r["multi_version_fraction"]) for r in ledger) / len(ledger)
                               if ledger else 0.0),
             "masked": sum(int(r["tokens_masked_stale"]) for r in ledger)}
 
 
-def parity(*, seeds: int, steps: int) -> tuple[str, dict[str, str], dict[str, list[dict]]]:
-    """The learning-parity section, its key figures and the runs (module docstring)."""
-    runs: dict[str, list[dict[str, float]]] = {arm: [] for arm in ARMS}
+def parity(*, seeds: int, steps: int, first_seed: int = 0, arms: list[str] | None = None
+           ) -> tuple[str, dict[str, str], dict[str, list[dict]]]:
+    """The learning-parity section, its key figures and the runs (module docstring).
+    ``first_seed``, ``arms`` (some of ``ARMS``): more runs to pool with a section's; unless every
+    arm runs, the markdown is a plain table of the runs (no shares of colocated)."""
+    arms = list(ARMS) if arms is None else arms
+    runs: dict[str, list[dict[str, float]]] = {arm: [] for arm in arms}
     loads = []
-    for seed in range(seeds):
-        for arm in ARMS:  # interleaved: each seed runs every arm before the next seed
+    for seed in range(first_seed, first_seed + seeds):
+        for arm in arms:  # interleaved: each seed runs every arm before the next seed
             loads.append(os.getloadavg()[0])
             runs[arm].append(parity_run(arm, steps=steps, seed=seed))
             print(f"  parity seed {seed} {arm}: {runs[arm][-1]}", flush=True)
+    if set(arms) != set(ARMS) or first_seed:
+        rows = [[arm, f"{sum(r['reward_last'] for r in rs) / len(rs):.3f}",
+                 " / ".join(f"{r['reward_last']:.3f}" for r in rs)] for arm, rs in runs.items()]
+        markdown = "\n\n".join([
+            (f"Parity runs, seeds {first_seed}-{first_seed + seeds - 1}, {steps} steps (load "
+             f"average at the runs' starts: {min(loads):.1f}-{max(loads):.1f}):"),
+            table(["arm", f"reward, last {LAST} steps", "per seed"], rows)])
+        return markdown, {}, runs
     markdown, figures = parity_section(runs, steps=steps, loads=loads)
     return markdown, figures, runs
 
@@ -129,7 +154,10 @@ def parity_section(runs: dict[str, list[dict[str, float]]], *, steps: int, loads
         rows.append([arm, f"{mean(arm):.3f}", per_seed, share,
                      "" if arm == "colocated" else f"{mean(arm, 'multi_version'):.3f}",
                      "" if arm == "colocated" else str(int(sum(r["masked"] for r in runs[arm]))),
-                     "" if arm == "colocated" else f"{mean(arm, 'staleness'):.3f}"])
+                     "" if arm == "colocated" else f"{mean(arm, 'staleness'):.3f}",
+                     "" if arm not in PARITY_GAP else
+                     f"{mean(arm, 'fresh_gap_mean'):.4f} / "
+                     f"{max(r['fresh_gap_max'] for r in runs[arm]):.3f}"])
         if arm != "colocated":
             figures[PARITY_FIGURE[arm]] = share
     keep_vs = f"{100 * mean('in-flight, kv keep') / mean('in-flight, kv recompute'):.0f}%"
@@ -150,16 +178,25 @@ def parity_section(runs: dict[str, list[dict[str, float]]], *, steps: int, loads
          f"runs' starts: {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores). Goal: "
          f"in-flight >= 95% of colocated. In-flight (kept cache) against the disaggregated "
          f"topology without it: {keep_vs_off}; kept cache against recomputed: {keep_vs}. "
-         "Token staleness = the steps' mean `token_staleness_mean`."),
+         "Token staleness = the steps' mean `token_staleness_mean`. Fresh tokens' logprob "
+         "gap: |generation - prev logprob| over the tokens generated with the trainer's own "
+         "version (`fresh_logprob_gap_mean`, weighted by `fresh_tokens`, and the largest "
+         "`fresh_logprob_gap`): 0 where the weights that sampled a token scored its whole "
+         "context; with the cache kept, the tokens decoded after a mid-generation load saw the "
+         "old weights' keys and values, and the gap is what that changed in their logprobs."),
         table(["arm", f"reward, last {LAST} steps", "per seed", "of colocated",
-               "rows on 2 versions", "tokens masked", "token staleness"], rows),
+               "rows on 2 versions", "tokens masked", "token staleness",
+               "fresh tokens' logprob gap, mean / max"], rows),
         (f"Per seed, kept minus colocated: {paired('in-flight, kv keep', 'colocated')}; kept "
          f"minus disaggregated without in-flight updates: "
          f"{paired('in-flight, kv keep', 'disaggregated, no in-flight')}; kept minus "
          f"recomputed: {paired('in-flight, kv keep', 'in-flight, kv recompute')}. The two "
-         "caches differ only on the rows that span two versions (the column above), so the "
-         "ablation's difference is within what the seeds (and the runs' timing, which decides "
-         "which rows are stale) move on their own. A ticket for step t starts on weights of "
+         "caches differ only in the tokens decoded after a mid-generation load (on the rows "
+         "that span two versions), and there by what the fresh tokens' gap shows. A "
+         "disaggregated run's timing decides which rows those are and which weights a ticket "
+         "starts on, and moves its reward as much as its seed does (one arm and seed run twice "
+         "has differed by more than 0.2), so five seeds tell arms apart only by more than "
+         "that. A ticket for step t starts on weights of "
          "version t - 1 in every disaggregated arm; in-flight updates only freshen the tokens "
          "decoded after the next publish lands (the token staleness column)."),
     ])
@@ -191,13 +228,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         choices=["speed", "parity"])
     parser.add_argument("--parity-seeds", type=int, default=5)
     parser.add_argument("--parity-steps", type=int, default=120)
+    parser.add_argument("--parity-first-seed", type=int, default=0)
+    parser.add_argument("--parity-arms", nargs="*", default=list(ARMS), choices=list(ARMS))
     args = parser.parse_args(argv if argv is not None else [])
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     parity_md, parity_figures, parity_runs = ("", {}, {})
     if "parity" in args.arms:
-        parity_md, parity_figures, parity_runs = parity(seeds=args.parity_seeds,
-                                                        steps=args.parity_steps)
+        parity_md, parity_figures, parity_runs = parity(
+            seeds=args.parity_seeds, steps=args.parity_steps, first_seed=args.parity_first_seed,
+            arms=args.parity_arms)
     if "speed" not in args.arms:
         return {"markdown": parity_md, "key_figures": parity_figures, "results": parity_runs}
     results: dict[str, list[dict[str, float]]] = {k: [] for k in args.kinds}
